@@ -1,0 +1,131 @@
+// Package initctl is the protocol between cairn on the host and cairn-init, the PID 1 of
+// every container sandbox.
+//
+// Everything the two sides exchange lives inside the sandbox's own root filesystem, under
+// Dir ("/.cairn"). No descriptor of the sandbox points outside it, so CRIU can dump and
+// restore the whole process tree, stdio included, and the exchange itself rolls back and
+// forks together with the processes:
+//
+//	/.cairn/init                 the cairn-init binary (copied in at create)
+//	/.cairn/ctl                  FIFO; init holds it open read-write. The host writes one
+//	                             request ID per line (atomic: lines are < PIPE_BUF).
+//	/.cairn/req/<rid>.json       a Request, written by the host (temp name + rename)
+//	/.cairn/resp/<rid>.json      its Response, written by init (temp name + rename)
+//	/.cairn/proc/<handle>/spec.json  the process spec (written by init)
+//	/.cairn/proc/<handle>/stdin  FIFO; init holds it open read-write until CloseStdin
+//	/.cairn/proc/<handle>/stdout, stderr   append-only output files (pty mode: stdout only)
+//	/.cairn/proc/<handle>/exit   ExitStatus JSON, written once by init when reaped
+//	/.cairn/ready                written by init when it serves requests
+//
+// Process handles are chosen by the host ("p" + lowercase alphanumerics) and stay valid
+// across checkpoint, rollback and fork because they live in the sandbox's state.
+package initctl
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"time"
+)
+
+// Dir is the control directory, relative to the sandbox root.
+const Dir = ".cairn"
+
+// Paths inside Dir.
+const (
+	CtlFIFO   = "ctl"
+	ReqDir    = "req"
+	RespDir   = "resp"
+	ProcDir   = "proc"
+	ReadyFile = "ready"
+	InitBin   = "init"
+	LogFile   = "init.log"
+)
+
+// Ops.
+const (
+	OpSpawn      = "spawn"
+	OpSignal     = "signal"
+	OpCloseStdin = "close-stdin"
+	OpResize     = "resize"
+	OpPing       = "ping"
+)
+
+// Request is one command to init.
+type Request struct {
+	Op     string    `json:"op"`
+	Handle string    `json:"handle,omitempty"`
+	Spec   *ProcSpec `json:"spec,omitempty"`
+	Signal int       `json:"signal,omitempty"`
+	Rows   uint16    `json:"rows,omitempty"`
+	Cols   uint16    `json:"cols,omitempty"`
+}
+
+// Response answers a Request.
+type Response struct {
+	OK    bool   `json:"ok"`
+	Error string `json:"error,omitempty"`
+	Pid   int    `json:"pid,omitempty"`
+}
+
+// ProcSpec describes a process to start.
+type ProcSpec struct {
+	Args []string `json:"args"`
+	Env  []string `json:"env,omitempty"`
+	Cwd  string   `json:"cwd,omitempty"`
+	Tty  bool     `json:"tty,omitempty"`
+	Rows uint16   `json:"rows,omitempty"`
+	Cols uint16   `json:"cols,omitempty"`
+	// NoStdin starts the process with stdin at end-of-file (/dev/null).
+	NoStdin bool `json:"no_stdin,omitempty"`
+}
+
+// ExitStatus is how a process ended.
+type ExitStatus struct {
+	Code     int       `json:"code"`
+	Signal   int       `json:"signal,omitempty"`
+	ExitedAt time.Time `json:"exited_at"`
+}
+
+// ProcState is what init records about a process in spec.json.
+type ProcState struct {
+	Handle    string    `json:"handle"`
+	Pid       int       `json:"pid"`
+	Spec      ProcSpec  `json:"spec"`
+	StartedAt time.Time `json:"started_at"`
+}
+
+var handleRE = regexp.MustCompile(`^[a-z0-9]{1,32}$`)
+
+// ValidHandle reports whether h is a well-formed process handle.
+func ValidHandle(h string) bool { return handleRE.MatchString(h) }
+
+// ProcPath returns the path of a file of process handle under the control dir base.
+func ProcPath(base, handle, name string) string {
+	return filepath.Join(base, ProcDir, handle, name)
+}
+
+// WriteJSONAtomic writes v to path through a temporary name and a rename, so a reader
+// sees either nothing or the whole document.
+func WriteJSONAtomic(path string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	tmp := fmt.Sprintf("%s.tmp%d", path, os.Getpid())
+	if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// ReadJSON reads a document written by WriteJSONAtomic.
+func ReadJSON(path string, v any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
+}

@@ -1,0 +1,80 @@
+// Package isolation defines the boundary a sandbox's processes run inside, and how their
+// state is captured and brought back.
+//
+// Vocabulary and lifecycle. A Sandbox is described to a Backend by its ID, hostname,
+// limits and Root: the host path of the writable filesystem the sandbox sees as "/".
+// Start boots the sandbox's init on Root; processes are then started with Exec and
+// addressed by handle. Checkpoint captures the process tree into an image directory
+// while the sandbox keeps running; inside it, the backend calls back into the caller
+// while the tree is frozen, so the caller can snapshot the filesystem at the same
+// instant. Restore boots a sandbox from an image directory onto a Root holding the
+// filesystem captured with it. Stop ends every process of the sandbox. A stopped
+// sandbox can be Restored again; a running one is Stopped before its Root changes.
+//
+// Process handles, the exit status and the output of each process live in the sandbox's
+// own filesystem (see package initctl), so they are captured, rolled back and forked
+// with the rest of the state.
+package isolation
+
+import (
+	"context"
+	"syscall"
+
+	"github.com/cairn-sandbox/cairn/internal/initctl"
+)
+
+// Limits caps a sandbox's resources; zero means the backend's default.
+type Limits struct {
+	MemoryBytes int64   `json:"memory_bytes,omitempty"`
+	Pids        int64   `json:"pids,omitempty"`
+	CPUs        float64 `json:"cpus,omitempty"`
+}
+
+// Sandbox is a backend's view of one sandbox.
+type Sandbox struct {
+	ID       string
+	Hostname string
+	Root     string
+	Limits   Limits
+	// Init identifies the running init, set by Start and Restore; zero when stopped.
+	Init Proc
+}
+
+// Proc identifies a host process across PID reuse.
+type Proc struct {
+	Pid       int    `json:"pid"`
+	StartTime uint64 `json:"start_time"`
+}
+
+// ProcSpec describes a process to start.
+type ProcSpec = initctl.ProcSpec
+
+// Hooks are called by Checkpoint while the sandbox's processes are frozen.
+type Hooks struct {
+	// Frozen captures the filesystem; an error aborts the checkpoint and thaws.
+	Frozen func(ctx context.Context) error
+}
+
+// Backend runs sandboxes. Implementations are safe for concurrent use on distinct
+// sandboxes; calls on one sandbox are serialized by the caller.
+type Backend interface {
+	// Name is the isolation kind: "container", "gvisor".
+	Name() string
+	// Start boots the sandbox's init on sb.Root and sets sb.Init.
+	Start(ctx context.Context, sb *Sandbox) error
+	// Exec starts a process under handle.
+	Exec(ctx context.Context, sb *Sandbox, handle string, spec ProcSpec) error
+	// Signal sends sig to the process (and its process group).
+	Signal(ctx context.Context, sb *Sandbox, handle string, sig syscall.Signal) error
+	// WriteStdin writes data to the process's stdin, then closes it if eof.
+	WriteStdin(ctx context.Context, sb *Sandbox, handle string, data []byte, eof bool) error
+	// Checkpoint freezes the sandbox, calls hooks.Frozen, dumps the process tree into
+	// dir (which exists and is empty) and thaws. On error the sandbox runs on unchanged.
+	Checkpoint(ctx context.Context, sb *Sandbox, dir string, hooks Hooks) error
+	// Restore starts the process tree dumped in dir on sb.Root and sets sb.Init.
+	Restore(ctx context.Context, sb *Sandbox, dir string) error
+	// Stop kills every process of the sandbox and releases its host resources.
+	Stop(ctx context.Context, sb *Sandbox) error
+	// Running reports whether sb.Init is alive.
+	Running(sb *Sandbox) bool
+}
