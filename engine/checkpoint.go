@@ -1,0 +1,370 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/isolation"
+)
+
+// Pool directories of checkpoints.
+const (
+	stagingDir     = "staging"
+	checkpointsDir = "checkpoints"
+)
+
+// MaxFork bounds one Fork call.
+const MaxFork = 256
+
+// CheckpointOptions are the options of Checkpoint.
+type CheckpointOptions struct {
+	Label string
+}
+
+// Checkpoint takes a joint checkpoint of a running sandbox: the sandbox is frozen, its
+// root is snapshotted read-only, its process tree is dumped, and it is thawed. On any
+// failure the sandbox keeps running unchanged and nothing is recorded.
+func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptions) (*model.Checkpoint, error) {
+	if len(opts.Label) > 256 {
+		return nil, errdefs.InvalidArgument("label is %d bytes long; keep it under 256", len(opts.Label))
+	}
+	unlock, err := e.lock(ctx, id, true)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if sb.State != model.StateRunning {
+		return nil, errdefs.FailedPrecondition("sandbox %s is stopped; resume it first with `cairn resume %s`", id, id)
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return nil, err
+	}
+	ck := &model.Checkpoint{ID: newID("", 12), SandboxID: id, Parent: sb.Head, Label: opts.Label, Method: "criu-full"}
+	staging := filepath.Join(stagingDir, id+"-"+ck.ID)
+	images := e.pool.Path(filepath.Join(staging, "images"))
+	if err := os.MkdirAll(images, 0o700); err != nil {
+		return nil, err
+	}
+	cleanup := func() {
+		e.pool.Delete(context.WithoutCancel(ctx), filepath.Join(staging, "fs"))
+		os.RemoveAll(e.pool.Path(staging))
+	}
+	// Flush the root's dirty data before freezing, so the snapshot inside the freeze has
+	// little left to write.
+	e.pool.Sync(ctx, sb.Root)
+	start := time.Now()
+	err = b.Checkpoint(ctx, e.isb(sb), images, isolation.Hooks{Frozen: func(ctx context.Context) error {
+		return e.pool.Snapshot(ctx, sb.Root, filepath.Join(staging, "fs"), true)
+	}})
+	ck.DurationMS = float64(time.Since(start).Microseconds()) / 1000
+	if err != nil {
+		cleanup()
+		return nil, err
+	}
+	if hook := os.Getenv("CAIRN_TEST_CRASH_AT"); hook == "checkpoint-staged" {
+		crashForTest()
+	}
+	final := filepath.Join(checkpointsDir, ck.ID)
+	os.MkdirAll(e.pool.Path(checkpointsDir), 0o755)
+	if err := os.Rename(e.pool.Path(staging), e.pool.Path(final)); err != nil {
+		cleanup()
+		return nil, fmt.Errorf("publish checkpoint: %w", err)
+	}
+	if hook := os.Getenv("CAIRN_TEST_CRASH_AT"); hook == "checkpoint-published" {
+		crashForTest()
+	}
+	ck.FSVolume = filepath.Join(final, "fs")
+	ck.Images = filepath.Join(final, "images")
+	ck.ImageBytes = dirBytes(e.pool.Path(ck.Images))
+	ck.CreatedAt = time.Now().UTC()
+	sb.Head = ck.ID
+	if err := e.db.AddCheckpoint(ctx, ck, sb); err != nil {
+		e.pool.Delete(context.WithoutCancel(ctx), ck.FSVolume)
+		os.RemoveAll(e.pool.Path(final))
+		return nil, err
+	}
+	return ck, nil
+}
+
+// crashForTest kills the process where a test asked, to prove crash consistency.
+func crashForTest() {
+	p, _ := os.FindProcess(os.Getpid())
+	p.Kill()
+	select {}
+}
+
+func dirBytes(dir string) int64 {
+	var n int64
+	filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			if fi, err := d.Info(); err == nil {
+				n += fi.Size()
+			}
+		}
+		return nil
+	})
+	return n
+}
+
+// GetCheckpoint returns one checkpoint.
+func (e *Engine) GetCheckpoint(ctx context.Context, id string) (*model.Checkpoint, error) {
+	if !validID(id) {
+		return nil, errdefs.InvalidArgument("%q is not a checkpoint ID (IDs are lowercase letters and digits)", id)
+	}
+	return e.db.Checkpoint(ctx, id)
+}
+
+// inLineage reports whether checkpoint ck may be a rollback target of sb: one of sb's own
+// checkpoints, or an ancestor of its head or origin.
+func (e *Engine) inLineage(ctx context.Context, sb *model.Sandbox, ck *model.Checkpoint) (bool, error) {
+	if ck.SandboxID == sb.ID {
+		return true, nil
+	}
+	all, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return false, err
+	}
+	byID := map[string]*model.Checkpoint{}
+	for _, c := range all {
+		byID[c.ID] = c
+	}
+	for _, start := range []string{sb.Head, sb.Origin} {
+		for c := byID[start]; c != nil; c = byID[c.Parent] {
+			if c.ID == ck.ID {
+				return true, nil
+			}
+		}
+	}
+	return false, nil
+}
+
+// Rollback returns a sandbox, files and processes, to a checkpoint in its lineage. The
+// sandbox keeps its ID; the checkpoint becomes its head, so the next checkpoint branches
+// from it.
+func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
+	unlock, err := e.lock(ctx, id, true)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return err
+	}
+	ck, err := e.GetCheckpoint(ctx, checkpointID)
+	if err != nil {
+		return err
+	}
+	ok, err := e.inLineage(ctx, sb, ck)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return errdefs.InvalidArgument("checkpoint %s belongs to sandbox %s, not to the lineage of %s; fork it instead: `cairn fork %s`", ck.ID, ck.SandboxID, id, ck.ID)
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return err
+	}
+	newRoot := rootVolume(id)
+	// The new root is ready before the old tree stops, to keep the gap short.
+	if err := e.pool.Snapshot(ctx, ck.FSVolume, newRoot, false); err != nil {
+		return err
+	}
+	isb := e.isb(sb)
+	if err := b.Stop(ctx, isb); err != nil {
+		e.pool.Delete(ctx, newRoot)
+		return err
+	}
+	oldRoot := sb.Root
+	isb.Root = e.pool.Path(newRoot)
+	if err := b.Restore(ctx, isb, e.pool.Path(ck.Images)); err != nil {
+		e.pool.Delete(context.WithoutCancel(ctx), newRoot)
+		sb.State, sb.Init = model.StateStopped, isolation.Proc{}
+		e.db.PutSandbox(ctx, sb)
+		return fmt.Errorf("rollback of %s to %s: %w (the sandbox is stopped; `cairn resume %s` retries from %s)", id, ck.ID, err, id, sb.Head)
+	}
+	sb.Root, sb.Head, sb.State, sb.Init = newRoot, ck.ID, model.StateRunning, isb.Init
+	if err := e.db.PutSandbox(ctx, sb); err != nil {
+		return err
+	}
+	// Deleted only once the metadata no longer points at it.
+	if err := e.pool.Delete(ctx, oldRoot); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return fmt.Errorf("rolled back, but removing the old root failed: %w", err)
+	}
+	return nil
+}
+
+// Fork makes count new sandboxes from a checkpoint, each with its own root, restored
+// processes and identity (ID, hostname, machine-id).
+func (e *Engine) Fork(ctx context.Context, checkpointID string, count int) ([]*model.Sandbox, error) {
+	if count < 1 || count > MaxFork {
+		return nil, errdefs.InvalidArgument("fork count %d: give 1 to %d", count, MaxFork)
+	}
+	ck, err := e.GetCheckpoint(ctx, checkpointID)
+	if err != nil {
+		return nil, err
+	}
+	src, err := e.db.Sandbox(ctx, ck.SandboxID)
+	if err != nil {
+		// The source sandbox may be gone; its checkpoint still forks with defaults.
+		src = &model.Sandbox{Template: "", Isolation: "container"}
+	}
+	b, err := e.backend(src.Isolation)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*model.Sandbox, count)
+	errs := make([]error, count)
+	sem := make(chan struct{}, 4)
+	var wg sync.WaitGroup
+	for i := range out {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			out[i], errs[i] = e.forkOne(ctx, b, src, ck)
+		}(i)
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		for _, sb := range out {
+			if sb != nil {
+				e.Remove(context.WithoutCancel(ctx), sb.ID)
+			}
+		}
+		return nil, err
+	}
+	return out, nil
+}
+
+func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sandbox, ck *model.Checkpoint) (*model.Sandbox, error) {
+	id := newID("", 12)
+	unlock, err := e.lock(ctx, id, true)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	labels := map[string]string{}
+	for k, v := range src.Labels {
+		labels[k] = v
+	}
+	sb := &model.Sandbox{
+		ID: id, Template: src.Template, Isolation: b.Name(), State: model.StateRunning, Hostname: id,
+		Head: ck.ID, Origin: ck.ID, Labels: labels, Limits: src.Limits, CreatedAt: time.Now().UTC(),
+		Root: rootVolume(id),
+	}
+	if err := e.pool.Snapshot(ctx, ck.FSVolume, sb.Root, false); err != nil {
+		return nil, err
+	}
+	if err := writeIdentity(e.pool.Path(sb.Root), id); err != nil {
+		e.pool.Delete(ctx, sb.Root)
+		return nil, err
+	}
+	isb := e.isb(sb)
+	if err := b.Restore(ctx, isb, e.pool.Path(ck.Images)); err != nil {
+		e.pool.Delete(context.WithoutCancel(ctx), sb.Root)
+		return nil, fmt.Errorf("fork of %s: %w", ck.ID, err)
+	}
+	sb.Init = isb.Init
+	if err := e.db.PutSandbox(ctx, sb); err != nil {
+		b.Stop(ctx, isb)
+		e.pool.Delete(ctx, sb.Root)
+		return nil, err
+	}
+	return sb, nil
+}
+
+// Tree returns the checkpoints of a sandbox's lineage: its own, and the ancestors of
+// its origin, oldest first. Each names its parent.
+func (e *Engine) Tree(ctx context.Context, id string) ([]*model.Checkpoint, error) {
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	all, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return nil, err
+	}
+	byID := map[string]*model.Checkpoint{}
+	for _, c := range all {
+		byID[c.ID] = c
+	}
+	keep := map[string]bool{}
+	for _, c := range all {
+		if c.SandboxID == id {
+			for a := c; a != nil && !keep[a.ID]; a = byID[a.Parent] {
+				keep[a.ID] = true
+			}
+		}
+	}
+	for a := byID[sb.Origin]; a != nil && !keep[a.ID]; a = byID[a.Parent] {
+		keep[a.ID] = true
+	}
+	var out []*model.Checkpoint
+	for _, c := range all {
+		if keep[c.ID] {
+			out = append(out, c)
+		}
+	}
+	return out, nil
+}
+
+// DeleteCheckpoint deletes a checkpoint. With children (later checkpoints branching from
+// it) it refuses unless cascade, which deletes the whole subtree; without cascade a leaf
+// is removed and nothing else changes. A deleted checkpoint's descendants never break:
+// their filesystems and images are independent copies.
+func (e *Engine) DeleteCheckpoint(ctx context.Context, id string, cascade bool) ([]string, error) {
+	ck, err := e.GetCheckpoint(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	all, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return nil, err
+	}
+	children := map[string][]string{}
+	for _, c := range all {
+		children[c.Parent] = append(children[c.Parent], c.ID)
+	}
+	if len(children[ck.ID]) > 0 && !cascade {
+		return nil, errdefs.FailedPrecondition("checkpoint %s has %d child checkpoint(s); delete them first or pass --cascade to delete the subtree", id, len(children[ck.ID]))
+	}
+	var victims []string
+	var walk func(string)
+	walk = func(c string) {
+		for _, k := range children[c] {
+			walk(k)
+		}
+		victims = append(victims, c)
+	}
+	walk(ck.ID)
+	// Metadata first: once the rows are gone nobody can use the files.
+	if err := e.db.DeleteCheckpoints(ctx, victims); err != nil {
+		return nil, err
+	}
+	for _, v := range victims {
+		e.removeCheckpointFiles(ctx, v)
+	}
+	return victims, nil
+}
+
+func (e *Engine) removeCheckpointFiles(ctx context.Context, id string) {
+	dir := filepath.Join(checkpointsDir, id)
+	e.pool.Delete(ctx, filepath.Join(dir, "fs"))
+	os.RemoveAll(e.pool.Path(dir))
+}

@@ -1,0 +1,242 @@
+// Package engine is cairn's core library: it creates sandboxes from templates and
+// checkpoints, rolls back and forks them, jointly over their filesystem (a btrfs pool)
+// and their process tree (an isolation backend).
+//
+// A checkpoint is published atomically. Its two halves are built under
+// pool/staging/<sandbox>-<checkpoint> while the sandbox is frozen, the directory is
+// renamed to pool/checkpoints/<checkpoint>, and only then is the metadata row written.
+// A crash leaves a staging directory or an unrecorded checkpoint directory, both of
+// which recovery deletes; no half checkpoint is ever listed.
+//
+// Several processes (CLI invocations, the daemon) may use one data directory at once.
+// Operations on one sandbox are serialized by an flock on locks/<sandbox>; recovery
+// only removes leftovers of sandboxes whose lock it can take.
+package engine
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"math/big"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container"
+	"github.com/cairn-sandbox/cairn/storage"
+	"github.com/cairn-sandbox/cairn/storage/btrfs"
+	"github.com/cairn-sandbox/cairn/store"
+	"github.com/cairn-sandbox/cairn/template"
+)
+
+// Config configures an Engine. Zero fields take the defaults in parentheses.
+type Config struct {
+	DataDir   string // (/var/lib/cairn) metadata, locks and the pool
+	PoolDir   string // (DataDir/pool) btrfs pool mount point or btrfs directory
+	PoolImage string // (DataDir/pool.img) sparse image mounted at PoolDir; "none" to use PoolDir as is
+	PoolSize  int64  // (64 GiB) apparent size of a new pool image
+	// InitBinary is the cairn-init binary (next to the running executable, or on PATH).
+	InitBinary string
+	// Progress receives progress of long work (template builds); nil for none.
+	Progress template.Progress
+}
+
+// DefaultDataDir is where cairn keeps its state unless told otherwise.
+const DefaultDataDir = "/var/lib/cairn"
+
+// DefaultTemplate is the template Create uses when none is named.
+const DefaultTemplate = "debian"
+
+// Engine is cairn's core. Its methods are safe for concurrent use.
+type Engine struct {
+	cfg      Config
+	pool     storage.Pool
+	btrfs    *btrfs.Pool
+	db       *store.Store
+	backends map[string]isolation.Backend
+}
+
+// Open opens (creating on first use) the data directory and its pool.
+func Open(ctx context.Context, cfg Config) (*Engine, error) {
+	if os.Geteuid() != 0 {
+		return nil, errdefs.PermissionDenied("cairn needs root (namespaces, cgroups, CRIU, btrfs): run it with sudo")
+	}
+	if cfg.DataDir == "" {
+		cfg.DataDir = DefaultDataDir
+	}
+	if cfg.PoolDir == "" {
+		cfg.PoolDir = filepath.Join(cfg.DataDir, "pool")
+	}
+	switch cfg.PoolImage {
+	case "":
+		cfg.PoolImage = filepath.Join(cfg.DataDir, "pool.img")
+	case "none":
+		cfg.PoolImage = ""
+	}
+	if cfg.InitBinary == "" {
+		cfg.InitBinary = findInit()
+	}
+	for _, d := range []string{cfg.DataDir, filepath.Join(cfg.DataDir, "locks")} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, fmt.Errorf("data directory: %w", err)
+		}
+	}
+	pool, err := btrfs.Open(ctx, btrfs.Config{Dir: cfg.PoolDir, Image: cfg.PoolImage, Size: cfg.PoolSize})
+	if err != nil {
+		return nil, err
+	}
+	db, err := store.Open(filepath.Join(cfg.DataDir, "cairn.db"))
+	if err != nil {
+		return nil, err
+	}
+	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}}
+	if cb, err := container.New(cfg.InitBinary); err == nil {
+		e.backends["container"] = cb
+	} else {
+		e.backends["container"] = unavailable{name: "container", err: err}
+	}
+	if err := e.recover(ctx); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("recovery: %w", err)
+	}
+	return e, nil
+}
+
+// Close releases the engine. Sandboxes keep running.
+func (e *Engine) Close() error { return e.db.Close() }
+
+// DataDir returns the data directory in use.
+func (e *Engine) DataDir() string { return e.cfg.DataDir }
+
+// findInit looks for cairn-init next to the running executable, then on PATH.
+func findInit() string {
+	if exe, err := os.Executable(); err == nil {
+		p := filepath.Join(filepath.Dir(exe), "cairn-init")
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	for _, dir := range filepath.SplitList(os.Getenv("PATH")) {
+		p := filepath.Join(dir, "cairn-init")
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	return "/usr/local/bin/cairn-init"
+}
+
+func (e *Engine) backend(name string) (isolation.Backend, error) {
+	b, ok := e.backends[name]
+	if !ok {
+		known := make([]string, 0, len(e.backends))
+		for k := range e.backends {
+			known = append(known, k)
+		}
+		return nil, errdefs.InvalidArgument("isolation %q is not available (available: %s)", name, strings.Join(known, ", "))
+	}
+	return b, nil
+}
+
+const idAlphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+// newID returns a random lowercase alphanumeric ID of n characters, starting with prefix.
+func newID(prefix string, n int) string {
+	var sb strings.Builder
+	sb.WriteString(prefix)
+	max := big.NewInt(int64(len(idAlphabet)))
+	for i := 0; i < n; i++ {
+		v, _ := rand.Int(rand.Reader, max)
+		sb.WriteByte(idAlphabet[v.Int64()])
+	}
+	return sb.String()
+}
+
+// validID reports whether id is a well-formed cairn ID.
+func validID(id string) bool {
+	if id == "" || len(id) > 64 {
+		return false
+	}
+	for _, c := range id {
+		if !strings.ContainsRune(idAlphabet, c) {
+			return false
+		}
+	}
+	return true
+}
+
+// lock takes the per-sandbox lock (exclusive or shared) and returns its release.
+func (e *Engine) lock(ctx context.Context, id string, exclusive bool) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(e.cfg.DataDir, "locks", id), os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	how := unix.LOCK_SH
+	if exclusive {
+		how = unix.LOCK_EX
+	}
+	for {
+		err := unix.Flock(int(f.Fd()), how|unix.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			f.Close()
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, ctx.Err()
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+}
+
+// tryLock takes the exclusive lock of id only if nobody holds it.
+func (e *Engine) tryLock(id string) (func(), bool) {
+	f, err := os.OpenFile(filepath.Join(e.cfg.DataDir, "locks", id), os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, false
+	}
+	if unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) != nil {
+		f.Close()
+		return nil, false
+	}
+	return func() { f.Close() }, true
+}
+
+// isb is the backend's view of a sandbox record.
+func (e *Engine) isb(sb *model.Sandbox) *isolation.Sandbox {
+	return &isolation.Sandbox{ID: sb.ID, Hostname: sb.Hostname, Root: e.pool.Path(sb.Root), Limits: sb.Limits, Init: sb.Init}
+}
+
+// refresh sets sb.State from whether its init is alive.
+func (e *Engine) refresh(sb *model.Sandbox) {
+	b, err := e.backend(sb.Isolation)
+	if err == nil && sb.State == model.StateRunning && !b.Running(e.isb(sb)) {
+		sb.State = model.StateStopped
+		sb.Init = isolation.Proc{}
+	}
+}
+
+// unavailable stands in for a backend that cannot run here, and says why.
+type unavailable struct {
+	isolation.Backend
+	name string
+	err  error
+}
+
+func (u unavailable) Name() string                                    { return u.name }
+func (u unavailable) Running(*isolation.Sandbox) bool                 { return false }
+func (u unavailable) Start(context.Context, *isolation.Sandbox) error { return u.err }
+func (u unavailable) Restore(context.Context, *isolation.Sandbox, string) error {
+	return u.err
+}
+func (u unavailable) Stop(context.Context, *isolation.Sandbox) error { return nil }

@@ -1,0 +1,178 @@
+package engine
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/cairn-sandbox/cairn/engine/model"
+)
+
+// recover brings the data directory back to a consistent state after a crash: it thaws
+// sandboxes a dead checkpoint left frozen, and removes staging directories, unrecorded
+// checkpoint directories and unreferenced roots of sandboxes nobody is working on.
+func (e *Engine) recover(ctx context.Context) error {
+	if err := e.btrfs.Recover(ctx); err != nil {
+		return err
+	}
+	sbs, err := e.db.Sandboxes(ctx)
+	if err != nil {
+		return err
+	}
+	for _, sb := range sbs {
+		if sb.State == model.StateRunning {
+			if unlock, ok := e.tryLock(sb.ID); ok {
+				thawIfFrozen(sb.ID)
+				unlock()
+			}
+		}
+	}
+	_, err = e.sweep(ctx, false)
+	return err
+}
+
+// thawIfFrozen thaws a sandbox whose checkpoint died between freeze and thaw.
+func thawIfFrozen(id string) {
+	f := filepath.Join("/sys/fs/cgroup/freezer/cairn", id, "freezer.state")
+	if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) != "THAWED" {
+		os.WriteFile(f, []byte("THAWED"), 0)
+	}
+}
+
+// sweep removes leftovers: staging entries, checkpoint directories without a row, and
+// roots no sandbox points at — each only when the owning sandbox's lock is free.
+// It returns the pool names it removed.
+func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
+	var removed []string
+	sbs, err := e.db.Sandboxes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	roots := map[string]bool{}
+	for _, sb := range sbs {
+		roots[sb.Root] = true
+	}
+	cks, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return nil, err
+	}
+	known := map[string]bool{}
+	for _, c := range cks {
+		known[c.ID] = true
+	}
+	owner := func(name string) string { return strings.SplitN(name, "-", 2)[0] }
+	entries, _ := os.ReadDir(e.pool.Path(stagingDir))
+	for _, d := range entries {
+		if unlock, ok := e.tryLock(owner(d.Name())); ok {
+			name := filepath.Join(stagingDir, d.Name())
+			if !dryRun {
+				e.pool.Delete(ctx, filepath.Join(name, "fs"))
+				os.RemoveAll(e.pool.Path(name))
+			}
+			removed = append(removed, name)
+			unlock()
+		}
+	}
+	entries, _ = os.ReadDir(e.pool.Path(checkpointsDir))
+	for _, d := range entries {
+		if !known[d.Name()] {
+			// A checkpoint is renamed into place and then recorded under its sandbox's
+			// lock; the row may be about to be written by a running checkpoint.
+			if e.checkpointInFlight(d.Name()) {
+				continue
+			}
+			if !dryRun {
+				e.removeCheckpointFiles(ctx, d.Name())
+			}
+			removed = append(removed, filepath.Join(checkpointsDir, d.Name()))
+		}
+	}
+	entries, _ = os.ReadDir(e.pool.Path("roots"))
+	for _, d := range entries {
+		name := filepath.Join("roots", d.Name())
+		if roots[name] {
+			continue
+		}
+		if unlock, ok := e.tryLock(owner(d.Name())); ok {
+			// Re-check under the lock: a rollback may have just switched to it.
+			if sb, err := e.db.Sandbox(ctx, owner(d.Name())); err != nil || sb.Root != name {
+				if !dryRun {
+					e.pool.Delete(ctx, name)
+				}
+				removed = append(removed, name)
+			}
+			unlock()
+		}
+	}
+	return removed, nil
+}
+
+// checkpointInFlight reports whether some sandbox lock is held while an unrecorded
+// checkpoint directory exists; then the directory may belong to that operation.
+func (e *Engine) checkpointInFlight(id string) bool {
+	// The images' dump log names the sandbox's pid only; be conservative: if any lock is
+	// held, leave the directory for a later sweep.
+	locks, _ := os.ReadDir(filepath.Join(e.cfg.DataDir, "locks"))
+	for _, l := range locks {
+		if unlock, ok := e.tryLock(l.Name()); ok {
+			unlock()
+		} else {
+			return true
+		}
+	}
+	return false
+}
+
+// GC deletes what nothing references: checkpoints of removed sandboxes that are not in
+// the lineage (ancestors of a checkpoint or origin) of any existing sandbox, and
+// leftover files.
+func (e *Engine) GC(ctx context.Context) (*model.GCReport, error) {
+	sbs, err := e.db.Sandboxes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	cks, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return nil, err
+	}
+	byID := map[string]*model.Checkpoint{}
+	for _, c := range cks {
+		byID[c.ID] = c
+	}
+	live := map[string]bool{}
+	for _, sb := range sbs {
+		live[sb.ID] = true
+	}
+	keep := map[string]bool{}
+	mark := func(id string) {
+		for c := byID[id]; c != nil && !keep[c.ID]; c = byID[c.Parent] {
+			keep[c.ID] = true
+		}
+	}
+	for _, c := range cks {
+		if live[c.SandboxID] {
+			mark(c.ID)
+		}
+	}
+	for _, sb := range sbs {
+		mark(sb.Origin)
+		mark(sb.Head)
+	}
+	rep := &model.GCReport{}
+	var victims []string
+	for _, c := range cks {
+		if !keep[c.ID] {
+			victims = append(victims, c.ID)
+		}
+	}
+	if err := e.db.DeleteCheckpoints(ctx, victims); err != nil {
+		return nil, err
+	}
+	for _, v := range victims {
+		e.removeCheckpointFiles(ctx, v)
+	}
+	rep.Checkpoints = victims
+	rep.Volumes, err = e.sweep(ctx, false)
+	return rep, err
+}
