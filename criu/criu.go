@@ -1,4 +1,4 @@
-// Package criu drives CRIU (>= 4.1) over its RPC interface through go-criu, with the
+// Package criu drives CRIU (>= 4.2) over its RPC interface through go-criu, with the
 // options cairn's sandboxes need, and finds a CRIU that works on this machine.
 package criu
 
@@ -18,8 +18,9 @@ import (
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
-// MinVersion is the oldest CRIU cairn accepts (4.1.0).
-const MinVersion = 40100
+// MinVersion is the oldest CRIU cairn accepts (4.2.0): on kernels >= 6.16 inet sockets
+// refuse SO_PASSCRED/SO_PASSSEC, which CRIU 4.1 reads and then fails the dump on.
+const MinVersion = 40200
 
 // PrivatePrefixCriu is where scripts/install-deps.sh installs CRIU when the host's own
 // does not pass `criu check`.
@@ -49,7 +50,7 @@ func Find() (string, error) {
 				return
 			}
 		}
-		findErr = errdefs.FailedPrecondition("no CRIU >= 4.1 found (tried %s): run scripts/install-deps.sh as root", strings.Join(cands, ", "))
+		findErr = errdefs.FailedPrecondition("no CRIU >= 4.2 found (tried %s): run scripts/install-deps.sh as root", strings.Join(cands, ", "))
 	})
 	return found, findErr
 }

@@ -67,14 +67,18 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	e.pool.Sync(ctx, sb.Root)
 	start := time.Now()
 	err = b.Checkpoint(ctx, e.isb(sb), images, isolation.Hooks{Frozen: func(ctx context.Context) error {
-		return e.pool.Snapshot(ctx, sb.Root, filepath.Join(staging, "fs"), true)
+		err := e.pool.Snapshot(ctx, sb.Root, filepath.Join(staging, "fs"), true)
+		if err == nil && os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-frozen" {
+			crashForTest()
+		}
+		return err
 	}})
 	ck.DurationMS = float64(time.Since(start).Microseconds()) / 1000
 	if err != nil {
 		cleanup()
 		return nil, err
 	}
-	if hook := os.Getenv("CAIRN_TEST_CRASH_AT"); hook == "checkpoint-staged" {
+	if os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-staged" {
 		crashForTest()
 	}
 	final := filepath.Join(checkpointsDir, ck.ID)
@@ -83,7 +87,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		cleanup()
 		return nil, fmt.Errorf("publish checkpoint: %w", err)
 	}
-	if hook := os.Getenv("CAIRN_TEST_CRASH_AT"); hook == "checkpoint-published" {
+	if os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-published" {
 		crashForTest()
 	}
 	ck.FSVolume = filepath.Join(final, "fs")
@@ -99,7 +103,8 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	return ck, nil
 }
 
-// crashForTest kills the process where a test asked, to prove crash consistency.
+// crashForTest kills the process where a test asked (CAIRN_TEST_CRASH_AT), to prove
+// that a SIGKILL at that line leaves no half checkpoint.
 func crashForTest() {
 	p, _ := os.FindProcess(os.Getpid())
 	p.Kill()

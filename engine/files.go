@@ -117,6 +117,22 @@ func (e *Engine) WriteFile(ctx context.Context, id, p string, data []byte, mode 
 			return fileErr(p, err)
 		}
 	}
+	// A symlink is written through, as a process in the sandbox would, if it stays inside
+	// the root; the file it names is rewritten in place.
+	if fi, err := r.Lstat(rel); err == nil && fi.Mode()&fs.ModeSymlink != 0 {
+		if _, err := r.Stat(rel); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fileErr(p, err)
+		}
+		f, err := r.OpenFile(rel, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, mode)
+		if err != nil {
+			return fileErr(p, err)
+		}
+		_, werr := f.Write(data)
+		if cerr := f.Close(); werr == nil {
+			werr = cerr
+		}
+		return fileErr(p, werr)
+	}
 	tmp := path.Join(path.Dir(rel), ".cairn-write-"+newID("", 8))
 	f, err := r.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, mode)
 	if err != nil {

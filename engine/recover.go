@@ -176,3 +176,10 @@ func (e *Engine) GC(ctx context.Context) (*model.GCReport, error) {
 	rep.Volumes, err = e.sweep(ctx, false)
 	return rep, err
 }
+
+// Leftovers lists what recovery would remove now (staging directories, unrecorded
+// checkpoints, unreferenced roots); empty in a consistent data directory.
+func (e *Engine) Leftovers() []string {
+	l, _ := e.sweep(context.Background(), true)
+	return l
+}

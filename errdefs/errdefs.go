@@ -114,7 +114,7 @@ func ExitCode(err error) int {
 }
 
 // Helpers to build classified errors: errdefs.NotFound("sandbox %q", id).
-func NotFound(format string, a ...any) error { return wrap(ErrNotFound, format, a) }
+func NotFound(format string, a ...any) error      { return wrap(ErrNotFound, format, a) }
 func AlreadyExists(format string, a ...any) error { return wrap(ErrAlreadyExists, format, a) }
 func InvalidArgument(format string, a ...any) error {
 	return wrap(ErrInvalidArgument, format, a)

@@ -2,10 +2,10 @@
 # install-deps.sh — installs what cairn needs on a Debian 12 machine, idempotently.
 #
 #   * Debian 12 packages: btrfs-progs, debootstrap, iptables, iproute2, runc, xz-utils
-#   * CRIU >= 4.1: the host's criu when `criu check` passes; otherwise Debian 13's criu
-#     unpacked into a private prefix (/opt/cairn/criu) and run through its own dynamic
-#     loader by a wrapper script, because Debian 12's criu 3.17 fails on recent kernels
-#     and Debian 13's libc must not replace the system one.
+#   * CRIU >= 4.2: the host's criu when `criu check` passes; otherwise Debian testing's
+#     criu unpacked into a private prefix (/opt/cairn/criu) and run through its own
+#     dynamic loader by a wrapper script, because Debian 12's criu 3.17 fails on recent
+#     kernels and a newer libc must not replace the system one.
 #   * gVisor's runsc (a static binary) from the Debian archive.
 #
 # The Debian mirror is taken from the machine's own apt sources; nothing else is fetched.
@@ -37,62 +37,81 @@ mirror() {
 	echo "$uri"
 }
 
-# trixie_apt runs apt-get against a private list of Debian 13 only, leaving the system's
-# package state untouched.
-TRIXIE=/var/lib/cairn-apt-trixie
-trixie_apt() {
-	apt-get -qq -o Dir::Etc::SourceList="$TRIXIE/sources.list" -o Dir::Etc::SourceParts=/dev/null \
-		-o Dir::State::Lists="$TRIXIE/lists" -o Dir::Cache="$TRIXIE/cache" \
-		-o Dir::State::Status="$TRIXIE/status" -o APT::Architecture=amd64 "$@"
+# Newer Debian suites are read through a private apt state (its own sources list, lists,
+# cache and an empty dpkg status), so the system's package state is never touched.
+# CRIU comes from Debian testing ("forky"): CRIU 4.2 is the first to dump TCP sockets on
+# kernels >= 6.16 (they refuse SO_PASSCRED/SO_PASSSEC on inet sockets, which 4.1 fails on).
+# runsc comes from Debian 13 ("trixie").
+APTDIR=/var/lib/cairn-apt
+CRIU_SUITE=${CAIRN_CRIU_SUITE:-forky}
+private_apt() {
+	apt-get -qq -o Dir::Etc::SourceList="$APTDIR/sources.list" -o Dir::Etc::SourceParts=/dev/null \
+		-o Dir::State::Lists="$APTDIR/lists" -o Dir::Cache="$APTDIR/cache" \
+		-o Dir::State::Status="$APTDIR/status" -o APT::Architecture=amd64 "$@"
 }
-trixie_init() {
-	mkdir -p "$TRIXIE/lists/partial" "$TRIXIE/cache/archives/partial" "$TRIXIE/debs"
-	: >"$TRIXIE/status"
-	echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $(mirror) trixie main" >"$TRIXIE/sources.list"
-	if [ ! -s "$TRIXIE/lists/.updated" ]; then
-		step "reading the Debian 13 package index (private apt state in $TRIXIE)"
-		trixie_apt update
-		date >"$TRIXIE/lists/.updated"
+private_apt_init() {
+	mkdir -p "$APTDIR/lists/partial" "$APTDIR/cache/archives/partial" "$APTDIR/debs"
+	: >"$APTDIR/status"
+	local m
+	m=$(mirror)
+	{
+		echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $m $CRIU_SUITE main"
+		echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $m trixie main"
+	} >"$APTDIR/sources.list.new"
+	if ! cmp -s "$APTDIR/sources.list.new" "$APTDIR/sources.list" || [ ! -e "$APTDIR/lists/.updated" ]; then
+		mv "$APTDIR/sources.list.new" "$APTDIR/sources.list"
+		step "reading the Debian $CRIU_SUITE/trixie package indexes (private apt state in $APTDIR)"
+		private_apt update
+		date >"$APTDIR/lists/.updated"
 	fi
+	rm -f "$APTDIR/sources.list.new"
 }
 
-criu_ok() { "$1" check >/dev/null 2>&1; }
+# criu_ok: `criu check` passes and the version is at least 4.2.
+criu_ok() {
+	"$1" check >/dev/null 2>&1 || return 1
+	local v
+	v=$("$1" --version 2>/dev/null | awk '/^Version:/ {print $2}')
+	[ "$(printf '%s\n4.2\n' "$v" | sort -V | head -n1)" = "4.2" ]
+}
 
 if command -v criu >/dev/null 2>&1 && [ "$(command -v criu)" != "$PREFIX/criu" ] && criu_ok criu; then
 	step "host criu passes 'criu check': using $(command -v criu)"
 elif [ -x "$PREFIX/criu" ] && criu_ok "$PREFIX/criu"; then
-	step "CRIU present in $PREFIX"
+	step "CRIU $("$PREFIX/criu" --version | awk '/^Version:/ {print $2}') present in $PREFIX"
 else
-	trixie_init
-	step "downloading CRIU 4.x and its libraries from Debian 13"
-	pkgs=(criu libcompel1 libc6 libprotobuf-c1 libnl-3-200 libnet1 libnftables1 libgnutls30t64 libbsd0
-		libuuid1 libnettle8t64 libhogweed6t64 libp11-kit0 libunistring5 libtasn1-6 libidn2-0 libgmp10
-		libmd0 libjansson4 libmnl0 libnftnl11 libxtables12 libffi8 libzstd1 libgcc-s1 libcap2)
-	(cd "$TRIXIE/debs" && trixie_apt download "${pkgs[@]}")
+	private_apt_init
+	step "downloading CRIU and its libraries from Debian $CRIU_SUITE"
+	rm -f "$APTDIR"/debs/*.deb
+	deps=$(apt-cache -o Dir::Etc::SourceList="$APTDIR/sources.list" -o Dir::Etc::SourceParts=/dev/null \
+		-o Dir::State::Lists="$APTDIR/lists" -o Dir::Cache="$APTDIR/cache" -o Dir::State::Status="$APTDIR/status" \
+		depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces --no-enhances \
+		"criu/$CRIU_SUITE" 2>/dev/null | grep -E '^[a-z0-9]' | sort -u)
+	(cd "$APTDIR/debs" && private_apt download $deps 2>&1 | grep -v 'unsandboxed' || true)
 	step "unpacking into $PREFIX"
 	rm -rf "$PREFIX.tmp" && mkdir -p "$PREFIX.tmp"
-	for d in "$TRIXIE"/debs/*.deb; do dpkg -x "$d" "$PREFIX.tmp"; done
+	for d in "$APTDIR"/debs/*.deb; do dpkg -x "$d" "$PREFIX.tmp"; done
 	ld=$(ls "$PREFIX.tmp"/usr/lib64/ld-linux-x86-64.so.2 2>/dev/null || ls "$PREFIX.tmp"/lib64/ld-linux-x86-64.so.2)
 	ld=${ld#"$PREFIX.tmp"}
 	cat >"$PREFIX.tmp/criu" <<WRAP
 #!/bin/sh
-# cairn: Debian 13's criu run through its own loader and libraries (see scripts/install-deps.sh).
+# cairn: Debian's newer criu run through its own loader and libraries (scripts/install-deps.sh).
 exec $PREFIX$ld --library-path $PREFIX/usr/lib/x86_64-linux-gnu:$PREFIX/lib/x86_64-linux-gnu $PREFIX/usr/sbin/criu "\$@"
 WRAP
 	chmod 755 "$PREFIX.tmp/criu"
 	rm -rf "$PREFIX" && mv "$PREFIX.tmp" "$PREFIX"
 	criu_ok "$PREFIX/criu" || { "$PREFIX/criu" check >&2; echo "criu check failed" >&2; exit 1; }
-	step "CRIU $("$PREFIX/criu" --version | head -n1) works"
+	step "CRIU $("$PREFIX/criu" --version | awk '/^Version:/ {print $2}') works"
 fi
 
 if command -v runsc >/dev/null 2>&1; then
 	step "runsc present"
 else
-	trixie_init
+	private_apt_init
 	step "installing gVisor runsc (static binary) from Debian 13"
-	(cd "$TRIXIE/debs" && trixie_apt download runsc)
+	(cd "$APTDIR/debs" && rm -f runsc_*.deb && private_apt download runsc/trixie 2>&1 | grep -v 'unsandboxed' || true)
 	tmp=$(mktemp -d)
-	dpkg -x "$TRIXIE"/debs/runsc_*.deb "$tmp"
+	dpkg -x "$APTDIR"/debs/runsc_*.deb "$tmp"
 	install -m 755 "$tmp/usr/bin/runsc" /usr/local/bin/runsc
 	rm -rf "$tmp"
 fi

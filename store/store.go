@@ -107,7 +107,7 @@ func (s *Store) Template(ctx context.Context, name string) (*model.Template, err
 		return nil, err
 	}
 	if len(ts) == 0 {
-		return nil, errdefs.NotFound("template %q (list them with `cairn template ls`, build one with `cairn template build`)", name)
+		return nil, errdefs.NotFound("template %q not found (list them with `cairn template ls`, build one with `cairn template build`)", name)
 	}
 	return ts[0], nil
 }
@@ -169,7 +169,7 @@ func (s *Store) Sandbox(ctx context.Context, id string) (*model.Sandbox, error) 
 		return nil, err
 	}
 	if len(l) == 0 {
-		return nil, errdefs.NotFound("sandbox %q (list sandboxes with `cairn ls`)", id)
+		return nil, errdefs.NotFound("sandbox %q not found (list sandboxes with `cairn ls`)", id)
 	}
 	return l[0], nil
 }
@@ -236,7 +236,7 @@ func (s *Store) Checkpoint(ctx context.Context, id string) (*model.Checkpoint, e
 		return nil, err
 	}
 	if len(l) == 0 {
-		return nil, errdefs.NotFound("checkpoint %q (list them with `cairn tree SANDBOX`)", id)
+		return nil, errdefs.NotFound("checkpoint %q not found (list them with `cairn tree SANDBOX`)", id)
 	}
 	return l[0], nil
 }

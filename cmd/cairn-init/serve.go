@@ -53,11 +53,14 @@ func serve() error {
 	}
 	s := &server{procs: map[int]*proc{}, byHandle: map[string]*proc{}}
 	sigs := make(chan os.Signal, 16)
-	signal.Notify(sigs, unix.SIGCHLD)
-	signal.Ignore(unix.SIGHUP, unix.SIGPIPE, unix.SIGTERM, unix.SIGINT)
+	// Signals meant to stop init are caught and dropped, not ignored: an ignored
+	// disposition would be inherited by every process init starts.
+	signal.Notify(sigs, unix.SIGCHLD, unix.SIGHUP, unix.SIGTERM, unix.SIGINT)
 	go func() {
-		for range sigs {
-			s.reap()
+		for sig := range sigs {
+			if sig == unix.SIGCHLD {
+				s.reap()
+			}
 		}
 	}()
 	if err := os.WriteFile(filepath.Join(base, initctl.ReadyFile), []byte(fmt.Sprint(os.Getpid())), 0o644); err != nil {

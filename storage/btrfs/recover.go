@@ -58,7 +58,9 @@ func (p *Pool) recoverIn(ctx context.Context, fd int, prefix string) error {
 		}
 		cfd, err := openVolume(fd, c)
 		if err != nil {
-			if err != unix.ENOENT { // ENOENT: deleted concurrently
+			// ENOENT: deleted concurrently. EXDEV: something is mounted on it (a sandbox
+			// root bound for a restore): in use, and not ours to recurse into.
+			if err != unix.ENOENT && err != unix.EXDEV {
 				errs = append(errs, p.opError("recover", name, err))
 			}
 			continue

@@ -1,0 +1,193 @@
+// Package bench measures cairn on its reference workloads (see REFERENCE.md): for now
+// W1, the coding-agent sandbox, with the runc+btrfs and copytree baselines measured in
+// the same run on the same state.
+//
+// W1 builds a sandbox from template "debian" holding an idle bash, a Python REPL (a
+// ~40 MB dict, a sqlite3 connection with an open transaction, a suspended generator)
+// and a git repository of 1,000 files, then measures checkpoint after each step,
+// rollback to a random ancestor, fork ×1/×4/×16, create, and the storage each
+// checkpoint adds. Every rollback and fork is checked against the state recorded when
+// its checkpoint was taken.
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"time"
+
+	"github.com/cairn-sandbox/cairn/engine"
+	"github.com/cairn-sandbox/cairn/errdefs"
+)
+
+// Options configure Run.
+type Options struct {
+	Workload   string    // "w1" (the only one so far)
+	Iterations int       // steps/checkpoints (default 20)
+	Baselines  bool      // also run the runc_btrfs and copytree baselines
+	Progress   io.Writer // one line per phase; nil for silence
+}
+
+// Report is the result of a run. Times are milliseconds, sizes bytes.
+type Report struct {
+	Workload   string    `json:"workload"`
+	Iterations int       `json:"iterations"`
+	StartedAt  time.Time `json:"started_at"`
+	DurationS  float64   `json:"duration_s"`
+	Machine    Machine   `json:"machine"`
+
+	CheckpointMS Stats `json:"checkpoint_ms"`
+	RollbackMS   Stats `json:"rollback_ms"`
+	Fork1MS      Stats `json:"fork1_ms"`
+	Fork4MS      Stats `json:"fork4_ms"`
+	Fork16MS     Stats `json:"fork16_ms"`
+	CreateMS     Stats `json:"create_ms"`
+
+	// StorageBytesPerCheckpoint is the pool filesystem's used-bytes delta around each
+	// checkpoint of the first Iterations steps (syncfs before each statfs; btrfs shares
+	// extents, so this is the cost after sharing). ImageBytesPerCheckpoint is the size
+	// of the checkpoint's process images alone.
+	StorageBytesPerCheckpoint Stats `json:"storage_bytes_per_checkpoint"`
+	ImageBytesPerCheckpoint   Stats `json:"image_bytes_per_checkpoint"`
+	// StepChangedBytes estimates what one step changes: the 3 edited files and git's
+	// index (each rewritten whole), the 1 MiB str added to the heap, the 10 rows.
+	StepChangedBytes int64 `json:"step_changed_bytes"`
+	// StorageRatio is mean StorageBytesPerCheckpoint / StepChangedBytes.
+	StorageRatio float64 `json:"storage_ratio"`
+	// OverheadRSSBytes is the sandbox's overhead beyond its own processes: the RSS of
+	// its init (cairn-init).
+	OverheadRSSBytes int64 `json:"overhead_rss_bytes"`
+
+	// Baselines by name ("runc_btrfs", "copytree"); absent unless Options.Baselines.
+	Baselines map[string]*BaselineReport `json:"baselines,omitempty"`
+	// Ratios by baseline name: the baseline's p50 over cairn's (above 1: cairn faster).
+	Ratios map[string]Ratios `json:"ratios,omitempty"`
+
+	Correctness Correctness `json:"correctness"`
+}
+
+// BaselineReport is one baseline's measurements, or why it could not run.
+type BaselineReport struct {
+	Method       string `json:"method"`
+	Error        string `json:"error,omitempty"`
+	CheckpointMS Stats  `json:"checkpoint_ms"`
+	RollbackMS   Stats  `json:"rollback_ms"`
+	// Checks counts the REPL state checks after the baseline's rollbacks that passed.
+	Checks int `json:"checks_passed"`
+}
+
+// Ratios compare a baseline's p50 with cairn's.
+type Ratios struct {
+	Checkpoint float64 `json:"checkpoint"`
+	Rollback   float64 `json:"rollback"`
+}
+
+// Correctness counts the checks after rollbacks and forks.
+type Correctness struct {
+	Passed   int      `json:"passed"`
+	Failed   int      `json:"failed"`
+	Failures []string `json:"failures,omitempty"`
+}
+
+func (c *Correctness) add(what string, err error) {
+	if err == nil {
+		c.Passed++
+		return
+	}
+	c.Failed++
+	c.Failures = append(c.Failures, what+": "+err.Error())
+}
+
+// runner holds one run's state.
+type runner struct {
+	e          *engine.Engine
+	opts       Options
+	rep        *Report
+	w          *w1
+	rng        *rand.Rand
+	ckMS, rbMS []float64
+}
+
+func (b *runner) phase(format string, args ...any) {
+	if b.opts.Progress != nil {
+		fmt.Fprintf(b.opts.Progress, "%s: %s\n", b.opts.Workload, fmt.Sprintf(format, args...))
+	}
+}
+
+// Run runs a workload on e and returns its report. A baseline that cannot run records
+// its error in the report; a failed correctness check is counted, not returned.
+func Run(ctx context.Context, e *engine.Engine, opts Options) (*Report, error) {
+	if opts.Workload != "w1" {
+		return nil, errdefs.InvalidArgument("workload %q: only \"w1\" is implemented", opts.Workload)
+	}
+	if opts.Iterations == 0 {
+		opts.Iterations = 20
+	}
+	if opts.Iterations < 1 {
+		return nil, errdefs.InvalidArgument("iterations %d: give at least 1", opts.Iterations)
+	}
+	b := &runner{e: e, opts: opts, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)),
+		rep: &Report{Workload: opts.Workload, Iterations: opts.Iterations, StartedAt: time.Now().UTC()}}
+	b.rep.Machine = machineInfo()
+	err := b.runW1(ctx)
+	b.rep.CheckpointMS = summarize(b.ckMS)
+	b.rep.RollbackMS = summarize(b.rbMS)
+	b.rep.DurationS = time.Since(b.rep.StartedAt).Seconds()
+	if err != nil {
+		return b.rep, err
+	}
+	return b.rep, nil
+}
+
+// runW1 sets W1 up, runs every measurement, then the baselines, and cleans up.
+func (b *runner) runW1(ctx context.Context) (err error) {
+	n := b.opts.Iterations
+	b.phase("setting up the W1 sandbox (repo, REPL with a 40 MB dict, sqlite, bash)")
+	b.w, err = setupW1(ctx, b.e)
+	if b.w != nil {
+		defer b.cleanup(context.WithoutCancel(ctx))
+	}
+	if err != nil {
+		return err
+	}
+	if b.rep.OverheadRSSBytes, err = b.overheadRSS(ctx); err != nil {
+		return err
+	}
+	b.phase("%d steps, each followed by a checkpoint", n)
+	if err := b.measureSteps(ctx, n); err != nil {
+		return err
+	}
+	b.phase("%d rollbacks to random ancestors (each followed by a step and a checkpoint)", n)
+	if err := b.measureRollbacks(ctx, n); err != nil {
+		return err
+	}
+	for _, f := range []struct {
+		count, reps int
+		out         *Stats
+	}{{1, n, &b.rep.Fork1MS}, {4, max(2, n/4), &b.rep.Fork4MS}, {16, max(2, n/10), &b.rep.Fork16MS}} {
+		b.phase("fork ×%d, %d times", f.count, f.reps)
+		if *f.out, err = b.measureForks(ctx, f.count, f.reps); err != nil {
+			return err
+		}
+	}
+	b.phase("create from the template, %d times", n)
+	if err := b.measureCreate(ctx, n); err != nil {
+		return err
+	}
+	if b.opts.Baselines {
+		b.runBaselines(ctx)
+	}
+	return nil
+}
+
+// cleanup removes the W1 sandbox and every checkpoint it took.
+func (b *runner) cleanup(ctx context.Context) {
+	b.phase("cleaning up")
+	b.e.Remove(ctx, b.w.id)
+	for ck, parent := range b.w.parent {
+		if parent == "" {
+			b.e.DeleteCheckpoint(ctx, ck, true)
+		}
+	}
+}

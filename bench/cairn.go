@@ -1,0 +1,231 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/engine"
+	"github.com/cairn-sandbox/cairn/engine/model"
+)
+
+// maxAncestors is how far back a rollback target may lie (W1: the last 20 checkpoints).
+const maxAncestors = 20
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// poolUsed returns the bytes in use on the pool's filesystem after syncfs, which
+// commits btrfs's transaction so that the figure includes what was just written.
+func poolUsed(root string) (int64, error) {
+	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer unix.Close(fd)
+	if err := unix.Syncfs(fd); err != nil {
+		return 0, err
+	}
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Blocks-st.Bfree) * st.Bsize, nil
+}
+
+// checkpoint records the expected state, then takes (and times) a checkpoint.
+func (w *w1) checkpoint(ctx context.Context) (*model.Checkpoint, time.Duration, error) {
+	want, err := w.record(ctx)
+	if err != nil {
+		return nil, 0, err
+	}
+	sb, err := w.e.Get(ctx, w.id)
+	if err != nil {
+		return nil, 0, err
+	}
+	start := time.Now()
+	ck, err := w.e.Checkpoint(ctx, w.id, engine.CheckpointOptions{})
+	d := time.Since(start)
+	if err != nil {
+		return nil, d, fmt.Errorf("checkpoint: %w", err)
+	}
+	w.expect[ck.ID] = want
+	w.parent[ck.ID] = sb.Head
+	return ck, d, nil
+}
+
+// measureSteps runs n steps, each followed by a timed checkpoint whose on-disk cost is
+// measured as the pool's used-bytes delta around it.
+func (b *runner) measureSteps(ctx context.Context, n int) error {
+	root := b.e.PoolPath("")
+	var storage, images []float64
+	for i := 0; i < n; i++ {
+		if err := b.w.step(ctx); err != nil {
+			return err
+		}
+		before, err := poolUsed(root)
+		if err != nil {
+			return err
+		}
+		ck, d, err := b.w.checkpoint(ctx)
+		if err != nil {
+			return err
+		}
+		after, err := poolUsed(root)
+		if err != nil {
+			return err
+		}
+		b.ckMS = append(b.ckMS, ms(d))
+		storage = append(storage, float64(after-before))
+		images = append(images, float64(ck.ImageBytes))
+	}
+	b.rep.StorageBytesPerCheckpoint = summarize(storage)
+	b.rep.ImageBytesPerCheckpoint = summarize(images)
+	changed, err := b.w.stepChangedBytes(ctx)
+	if err != nil {
+		return err
+	}
+	b.rep.StepChangedBytes = changed
+	if changed > 0 {
+		b.rep.StorageRatio = b.rep.StorageBytesPerCheckpoint.Mean / float64(changed)
+	}
+	return nil
+}
+
+// stepChangedBytes estimates the bytes the last step changed: the 3 edited files
+// (rewritten whole by the append), git's index (rewritten whole by `git add`), the
+// 1 MiB str added to the heap and the payload of the 10 rows.
+func (w *w1) stepChangedBytes(ctx context.Context) (int64, error) {
+	var n int64 = heapBytes + 10*rowBytes
+	names := []string{path.Join(repoDir, ".git/index")}
+	for k := 0; k < 3; k++ {
+		names = append(names, path.Join(repoDir, fmt.Sprintf("f%03d.txt", (w.steps*7919+k*331)%1000)))
+	}
+	for _, p := range names {
+		fi, err := w.e.Stat(ctx, w.id, p)
+		if err != nil {
+			return 0, err
+		}
+		n += fi.Size
+	}
+	return n, nil
+}
+
+// ancestors returns the head and its ancestors, newest first, at most maxAncestors.
+func (w *w1) ancestors(ctx context.Context) ([]string, error) {
+	sb, err := w.e.Get(ctx, w.id)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for c := sb.Head; c != "" && len(out) < maxAncestors; c = w.parent[c] {
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+// measureRollbacks rolls back n times to a random ancestor among the last 20
+// checkpoints, checks the state, then runs a step and checkpoints (so the checkpoints
+// form a tree, as in a search).
+func (b *runner) measureRollbacks(ctx context.Context, n int) error {
+	for i := 0; i < n; i++ {
+		anc, err := b.w.ancestors(ctx)
+		if err != nil {
+			return err
+		}
+		target := anc[b.rng.IntN(len(anc))]
+		start := time.Now()
+		if err := b.e.Rollback(ctx, b.w.id, target); err != nil {
+			return fmt.Errorf("rollback to %s: %w", target, err)
+		}
+		b.rbMS = append(b.rbMS, ms(time.Since(start)))
+		b.rep.Correctness.add(fmt.Sprintf("rollback %d to %s", i, target), b.w.check(ctx, b.w.id, b.w.repl, b.w.expect[target]))
+		if err := b.w.step(ctx); err != nil {
+			return err
+		}
+		_, d, err := b.w.checkpoint(ctx)
+		if err != nil {
+			return err
+		}
+		b.ckMS = append(b.ckMS, ms(d))
+	}
+	return nil
+}
+
+// measureForks forks the head checkpoint count at a time, reps times, checking and
+// removing every fork.
+func (b *runner) measureForks(ctx context.Context, count, reps int) (Stats, error) {
+	anc, err := b.w.ancestors(ctx)
+	if err != nil {
+		return Stats{}, err
+	}
+	ck := anc[0]
+	var samples []float64
+	for i := 0; i < reps; i++ {
+		start := time.Now()
+		forks, err := b.e.Fork(ctx, ck, count)
+		if err != nil {
+			return Stats{}, fmt.Errorf("fork ×%d of %s: %w", count, ck, err)
+		}
+		samples = append(samples, ms(time.Since(start)))
+		for j, f := range forks {
+			b.rep.Correctness.add(fmt.Sprintf("fork ×%d #%d/%d of %s", count, i, j, ck), b.w.check(ctx, f.ID, nil, b.w.expect[ck]))
+		}
+		for _, f := range forks {
+			if err := b.e.Remove(ctx, f.ID); err != nil {
+				return Stats{}, fmt.Errorf("remove fork %s: %w", f.ID, err)
+			}
+		}
+	}
+	return summarize(samples), nil
+}
+
+// measureCreate times Create from the template until a trivial exec works, n times.
+func (b *runner) measureCreate(ctx context.Context, n int) error {
+	var samples []float64
+	for i := 0; i < n; i++ {
+		start := time.Now()
+		sb, err := b.e.Create(ctx, model.CreateOptions{Template: "debian"})
+		if err != nil {
+			return fmt.Errorf("create: %w", err)
+		}
+		_, err = run(ctx, b.e, sb.ID, "true")
+		samples = append(samples, ms(time.Since(start)))
+		if rerr := b.e.Remove(ctx, sb.ID); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return fmt.Errorf("create: %w", err)
+		}
+	}
+	b.rep.CreateMS = summarize(samples)
+	return nil
+}
+
+// overheadRSS reads the VmRSS of the sandbox's init (cairn-init), the only process the
+// sandbox runs beyond its own.
+func (b *runner) overheadRSS(ctx context.Context) (int64, error) {
+	sb, err := b.e.Get(ctx, b.w.id)
+	if err != nil {
+		return 0, err
+	}
+	return vmRSS(sb.Init.Pid)
+}
+
+func vmRSS(pid int) (int64, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, err
+	}
+	var kb int64
+	for _, l := range strings.Split(string(data), "\n") {
+		if _, err := fmt.Sscanf(l, "VmRSS: %d kB", &kb); err == nil {
+			return kb << 10, nil
+		}
+	}
+	return 0, fmt.Errorf("no VmRSS in /proc/%d/status", pid)
+}

@@ -1,0 +1,41 @@
+package bench
+
+import (
+	"os/exec"
+	"runtime"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/criu"
+)
+
+// runcPath is Debian 12's runc, which the runc_btrfs baseline drives.
+const runcPath = "/usr/sbin/runc"
+
+// Machine describes where a report was measured.
+type Machine struct {
+	Kernel   string `json:"kernel"`
+	CPUs     int    `json:"cpus"`
+	MemBytes int64  `json:"mem_bytes"`
+	CRIU     int    `json:"criu_version"`
+	Runc     string `json:"runc_version,omitempty"`
+	Go       string `json:"go"`
+}
+
+func machineInfo() Machine {
+	m := Machine{CPUs: runtime.NumCPU(), Go: runtime.Version()}
+	var u unix.Utsname
+	if unix.Uname(&u) == nil {
+		m.Kernel = unix.ByteSliceToString(u.Release[:])
+	}
+	var si unix.Sysinfo_t
+	if unix.Sysinfo(&si) == nil {
+		m.MemBytes = int64(si.Totalram) * int64(si.Unit)
+	}
+	m.CRIU, _ = criu.Version()
+	if out, err := exec.Command(runcPath, "--version").Output(); err == nil {
+		m.Runc = strings.TrimPrefix(strings.SplitN(string(out), "\n", 2)[0], "runc version ")
+	}
+	return m
+}

@@ -1,0 +1,137 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/cairn-sandbox/cairn/engine"
+	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/errdefs"
+)
+
+func newInspectCmd(a *app) *cobra.Command {
+	return &cobra.Command{
+		Use:   "inspect SANDBOX|CHECKPOINT",
+		Short: "Show the details of a sandbox or a checkpoint",
+		Long: `Inspect shows everything cairn records about a sandbox (including its processes)
+or, if no sandbox has that ID, about a checkpoint.
+
+With --json: {"kind": "sandbox", "sandbox": {...}, "processes": [...]} or
+{"kind": "checkpoint", "checkpoint": {...}}.`,
+		Example: `  cairn inspect $id
+  cairn inspect $c1
+  cairn inspect --json $id | jq .sandbox.state`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			e, err := a.engine(cmd.Context())
+			if err != nil {
+				return err
+			}
+			doc, err := lookup(cmd.Context(), e, args[0])
+			if err != nil {
+				return err
+			}
+			return emit(a, cmd, doc, func(w io.Writer) error {
+				if ck, ok := doc["checkpoint"].(*model.Checkpoint); ok {
+					return describeCheckpoint(w, ck)
+				}
+				return describeSandbox(w, doc["sandbox"].(*model.Sandbox), doc["processes"].([]*model.Process))
+			})
+		},
+	}
+}
+
+// lookup finds id as a sandbox, else as a checkpoint.
+func lookup(ctx context.Context, e *engine.Engine, id string) (map[string]any, error) {
+	sb, err := e.Get(ctx, id)
+	if err == nil {
+		ps, err := e.Processes(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		if ps == nil {
+			ps = []*model.Process{}
+		}
+		return map[string]any{"kind": "sandbox", "sandbox": sb, "processes": ps}, nil
+	}
+	if errdefs.Code(err) != "not_found" {
+		return nil, err
+	}
+	ck, err := e.GetCheckpoint(ctx, id)
+	if errdefs.Code(err) == "not_found" {
+		return nil, errdefs.NotFound("no sandbox or checkpoint %q (list sandboxes with `cairn ls`, checkpoints with `cairn tree SANDBOX`)", id)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return map[string]any{"kind": "checkpoint", "checkpoint": ck}, nil
+}
+
+// kv prints aligned "Key: value" lines.
+func kv(w io.Writer, pairs ...string) error {
+	t := newTable(w)
+	for i := 0; i+1 < len(pairs); i += 2 {
+		t.row(pairs[i]+":", pairs[i+1])
+	}
+	return t.flush()
+}
+
+func limitsString(l model.Sandbox) string {
+	var parts []string
+	if l.Limits.MemoryBytes > 0 {
+		parts = append(parts, "memory "+humanSize(l.Limits.MemoryBytes))
+	}
+	if l.Limits.Pids > 0 {
+		parts = append(parts, fmt.Sprintf("pids %d", l.Limits.Pids))
+	}
+	if l.Limits.CPUs > 0 {
+		parts = append(parts, fmt.Sprintf("cpus %g", l.Limits.CPUs))
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ", ")
+}
+
+func describeSandbox(w io.Writer, sb *model.Sandbox, ps []*model.Process) error {
+	running := 0
+	for _, p := range ps {
+		if p.Running {
+			running++
+		}
+	}
+	return kv(w,
+		"ID", sb.ID,
+		"Template", orDash(sb.Template),
+		"Isolation", sb.Isolation,
+		"State", sb.State,
+		"Hostname", sb.Hostname,
+		"Head", orDash(sb.Head),
+		"Origin", orDash(sb.Origin),
+		"Labels", orDash(labelString(sb.Labels)),
+		"Limits", limitsString(*sb),
+		"Created", sb.CreatedAt.Local().Format("2006-01-02 15:04:05")+" ("+humanTime(sb.CreatedAt)+")",
+		"Root", sb.Root,
+		"Init pid", fmt.Sprint(sb.Init.Pid),
+		"Processes", fmt.Sprintf("%d (%d running; list them with `cairn ps %s`)", len(ps), running, sb.ID),
+	)
+}
+
+func describeCheckpoint(w io.Writer, ck *model.Checkpoint) error {
+	return kv(w,
+		"ID", ck.ID,
+		"Sandbox", ck.SandboxID,
+		"Parent", orDash(ck.Parent),
+		"Label", orDash(ck.Label),
+		"Created", ck.CreatedAt.Local().Format("2006-01-02 15:04:05")+" ("+humanTime(ck.CreatedAt)+")",
+		"Image size", humanSize(ck.ImageBytes),
+		"Duration", fmt.Sprintf("%.1f ms", ck.DurationMS),
+		"Method", ck.Method,
+		"FS volume", ck.FSVolume,
+		"Images", ck.Images,
+	)
+}
