@@ -15,11 +15,18 @@ import (
 	"github.com/cairn-sandbox/cairn/isolation"
 )
 
-// Pool directories of checkpoints.
+// Where checkpoints live: the filesystem half is the pool volume checkpoints/<id>, the
+// process images the directory images/<id> of the data directory (outside the pool:
+// images are written once and read on restore, and btrfs's copy-on-write bookkeeping
+// only slows their writing). Both are built under staging names first.
 const (
 	stagingDir     = "staging"
 	checkpointsDir = "checkpoints"
+	imagesDir      = "images"
 )
+
+// imagesPath is the host path of a data-directory-relative images path.
+func (e *Engine) imagesPath(rel string) string { return filepath.Join(e.cfg.DataDir, rel) }
 
 // MaxFork bounds one Fork call.
 const MaxFork = 256
@@ -53,27 +60,36 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		return nil, err
 	}
 	ck := &model.Checkpoint{ID: newID("", 12), SandboxID: id, Parent: sb.Head, Label: opts.Label, Method: "criu-full"}
-	staging := filepath.Join(stagingDir, id+"-"+ck.ID)
-	images := e.pool.Path(filepath.Join(staging, "images"))
-	if err := os.MkdirAll(images, 0o700); err != nil {
+	// The read-only snapshot is staged inside a plain directory: a read-only subvolume
+	// cannot be renamed itself, its directory can.
+	staged := filepath.Join(stagingDir, id+"-"+ck.ID)
+	stagedFS := filepath.Join(staged, "fs")
+	stagedImages := e.imagesPath(filepath.Join(imagesDir, stagingDir+"-"+id+"-"+ck.ID))
+	if err := os.MkdirAll(stagedImages, 0o700); err != nil {
 		return nil, err
 	}
 	cleanup := func() {
-		e.pool.Delete(context.WithoutCancel(ctx), filepath.Join(staging, "fs"))
-		os.RemoveAll(e.pool.Path(staging))
+		e.pool.Delete(context.WithoutCancel(ctx), stagedFS)
+		os.RemoveAll(e.pool.Path(staged))
+		os.RemoveAll(stagedImages)
 	}
-	// Flush the root's dirty data before freezing, so the snapshot inside the freeze has
-	// little left to write.
-	e.pool.Sync(ctx, sb.Root)
+	phases := map[string]float64{}
+	phase := func(name string, d time.Duration) { phases[name] = float64(d.Microseconds()) / 1000 }
 	start := time.Now()
-	err = b.Checkpoint(ctx, e.isb(sb), images, isolation.Hooks{Frozen: func(ctx context.Context) error {
-		err := e.pool.Snapshot(ctx, sb.Root, filepath.Join(staging, "fs"), true)
+	// Flush the root's dirty data before freezing, so the snapshot inside the freeze has
+	// little left to write. The pool holds only filesystems (images live elsewhere), so
+	// this flushes what sandboxes wrote, which the snapshot would have to flush anyway.
+	e.pool.Sync(ctx, sb.Root)
+	phase("sync", time.Since(start))
+	err = b.Checkpoint(ctx, e.isb(sb), stagedImages, isolation.Hooks{Phase: phase, Frozen: func(ctx context.Context) error {
+		t := time.Now()
+		err := e.pool.Snapshot(ctx, sb.Root, stagedFS, true)
+		phase("fs_snapshot", time.Since(t))
 		if err == nil && os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-frozen" {
 			crashForTest()
 		}
 		return err
 	}})
-	ck.DurationMS = float64(time.Since(start).Microseconds()) / 1000
 	if err != nil {
 		cleanup()
 		return nil, err
@@ -81,23 +97,33 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	if os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-staged" {
 		crashForTest()
 	}
+	// Publish both halves under their final names; the metadata row written next is what
+	// makes the checkpoint exist.
+	t := time.Now()
 	final := filepath.Join(checkpointsDir, ck.ID)
+	ck.FSVolume = filepath.Join(final, "fs")
+	ck.Images = filepath.Join(imagesDir, ck.ID)
 	os.MkdirAll(e.pool.Path(checkpointsDir), 0o755)
-	if err := os.Rename(e.pool.Path(staging), e.pool.Path(final)); err != nil {
+	if err := os.Rename(e.pool.Path(staged), e.pool.Path(final)); err != nil {
 		cleanup()
 		return nil, fmt.Errorf("publish checkpoint: %w", err)
+	}
+	if err := os.Rename(stagedImages, e.imagesPath(ck.Images)); err != nil {
+		e.removeCheckpointFiles(context.WithoutCancel(ctx), ck.ID)
+		cleanup()
+		return nil, fmt.Errorf("publish checkpoint images: %w", err)
 	}
 	if os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-published" {
 		crashForTest()
 	}
-	ck.FSVolume = filepath.Join(final, "fs")
-	ck.Images = filepath.Join(final, "images")
-	ck.ImageBytes = dirBytes(e.pool.Path(ck.Images))
+	ck.ImageBytes = dirBytes(e.imagesPath(ck.Images))
 	ck.CreatedAt = time.Now().UTC()
 	sb.Head = ck.ID
+	ck.PhasesMS = phases
+	phase("publish", time.Since(t))
+	ck.DurationMS = float64(time.Since(start).Microseconds()) / 1000
 	if err := e.db.AddCheckpoint(ctx, ck, sb); err != nil {
-		e.pool.Delete(context.WithoutCancel(ctx), ck.FSVolume)
-		os.RemoveAll(e.pool.Path(final))
+		e.removeCheckpointFiles(context.WithoutCancel(ctx), ck.ID)
 		return nil, err
 	}
 	return ck, nil
@@ -196,7 +222,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	}
 	oldRoot := sb.Root
 	isb.Root = e.pool.Path(newRoot)
-	if err := b.Restore(ctx, isb, e.pool.Path(ck.Images)); err != nil {
+	if err := b.Restore(ctx, isb, e.imagesPath(ck.Images)); err != nil {
 		e.pool.Delete(context.WithoutCancel(ctx), newRoot)
 		sb.State, sb.Init = model.StateStopped, isolation.Proc{}
 		e.db.PutSandbox(ctx, sb)
@@ -281,7 +307,7 @@ func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sa
 		return nil, err
 	}
 	isb := e.isb(sb)
-	if err := b.Restore(ctx, isb, e.pool.Path(ck.Images)); err != nil {
+	if err := b.Restore(ctx, isb, e.imagesPath(ck.Images)); err != nil {
 		e.pool.Delete(context.WithoutCancel(ctx), sb.Root)
 		return nil, fmt.Errorf("fork of %s: %w", ck.ID, err)
 	}
@@ -369,7 +395,12 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, id string, cascade bool) 
 }
 
 func (e *Engine) removeCheckpointFiles(ctx context.Context, id string) {
-	dir := filepath.Join(checkpointsDir, id)
+	e.removeStaged(ctx, filepath.Join(checkpointsDir, id))
+	os.RemoveAll(e.imagesPath(filepath.Join(imagesDir, id)))
+}
+
+// removeStaged removes a pool directory holding a checkpoint's "fs" volume.
+func (e *Engine) removeStaged(ctx context.Context, dir string) {
 	e.pool.Delete(ctx, filepath.Join(dir, "fs"))
 	os.RemoveAll(e.pool.Path(dir))
 }

@@ -26,6 +26,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/isolation"
@@ -97,6 +98,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}}
+	if err := criu.UseKdatCache(filepath.Join(cfg.DataDir, "criu")); err != nil {
+		return nil, err
+	}
 	if cb, err := container.New(cfg.InitBinary); err == nil {
 		e.backends["container"] = cb
 	} else {

@@ -62,26 +62,42 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 		known[c.ID] = true
 	}
 	owner := func(name string) string { return strings.SplitN(name, "-", 2)[0] }
+	// Staged filesystems (pool staging/<sandbox>-<checkpoint>) and staged images
+	// (images/staging-<sandbox>-<checkpoint>) of sandboxes nobody is working on.
 	entries, _ := os.ReadDir(e.pool.Path(stagingDir))
 	for _, d := range entries {
 		if unlock, ok := e.tryLock(owner(d.Name())); ok {
 			name := filepath.Join(stagingDir, d.Name())
 			if !dryRun {
-				e.pool.Delete(ctx, filepath.Join(name, "fs"))
-				os.RemoveAll(e.pool.Path(name))
+				e.removeStaged(ctx, name)
 			}
 			removed = append(removed, name)
 			unlock()
 		}
 	}
+	entries, _ = os.ReadDir(e.imagesPath(imagesDir))
+	for _, d := range entries {
+		name := filepath.Join(imagesDir, d.Name())
+		if rest, ok := strings.CutPrefix(d.Name(), stagingDir+"-"); ok {
+			if unlock, ok := e.tryLock(owner(rest)); ok {
+				if !dryRun {
+					os.RemoveAll(e.imagesPath(name))
+				}
+				removed = append(removed, name)
+				unlock()
+			}
+		} else if !known[d.Name()] && !e.checkpointInFlight() {
+			if !dryRun {
+				e.removeCheckpointFiles(ctx, d.Name())
+			}
+			removed = append(removed, name)
+		}
+	}
 	entries, _ = os.ReadDir(e.pool.Path(checkpointsDir))
 	for _, d := range entries {
-		if !known[d.Name()] {
-			// A checkpoint is renamed into place and then recorded under its sandbox's
-			// lock; the row may be about to be written by a running checkpoint.
-			if e.checkpointInFlight(d.Name()) {
-				continue
-			}
+		// A checkpoint is renamed into place and then recorded under its sandbox's lock;
+		// the row may be about to be written by a running checkpoint.
+		if !known[d.Name()] && !e.checkpointInFlight() {
 			if !dryRun {
 				e.removeCheckpointFiles(ctx, d.Name())
 			}
@@ -108,11 +124,9 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 	return removed, nil
 }
 
-// checkpointInFlight reports whether some sandbox lock is held while an unrecorded
-// checkpoint directory exists; then the directory may belong to that operation.
-func (e *Engine) checkpointInFlight(id string) bool {
-	// The images' dump log names the sandbox's pid only; be conservative: if any lock is
-	// held, leave the directory for a later sweep.
+// checkpointInFlight reports whether any sandbox lock is held: then an unrecorded
+// checkpoint may be about to be recorded, and is left for a later sweep.
+func (e *Engine) checkpointInFlight() bool {
 	locks, _ := os.ReadDir(filepath.Join(e.cfg.DataDir, "locks"))
 	for _, l := range locks {
 		if unlock, ok := e.tryLock(l.Name()); ok {

@@ -19,6 +19,7 @@ package isolation
 import (
 	"context"
 	"syscall"
+	"time"
 
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 )
@@ -53,6 +54,15 @@ type ProcSpec = initctl.ProcSpec
 type Hooks struct {
 	// Frozen captures the filesystem; an error aborts the checkpoint and thaws.
 	Frozen func(ctx context.Context) error
+	// Phase, if set, is told how long each phase took ("freeze", "dump", "thaw").
+	Phase func(name string, d time.Duration)
+}
+
+// Report calls h.Phase if set.
+func (h Hooks) Report(name string, start time.Time) {
+	if h.Phase != nil {
+		h.Phase(name, time.Since(start))
+	}
 }
 
 // Backend runs sandboxes. Implementations are safe for concurrent use on distinct

@@ -8,7 +8,7 @@
 //	sandboxes(id PK, template, isolation, hostname, root, head, origin, labels JSON,
 //	          limits JSON, init_pid, init_start, state, created_at)
 //	checkpoints(id PK, sandbox_id, parent, label, created_at, fs_volume, images,
-//	          image_bytes, duration_ms, method)
+//	          image_bytes, duration_ms, method, phases JSON)
 //
 // Times are RFC 3339 with nanoseconds, UTC. A checkpoint row is written only after its
 // filesystem and images are published under their final names, so every row refers to
@@ -48,7 +48,8 @@ CREATE TABLE IF NOT EXISTS checkpoints(
 	id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, parent TEXT NOT NULL DEFAULT '',
 	label TEXT NOT NULL DEFAULT '', created_at TEXT NOT NULL, fs_volume TEXT NOT NULL,
 	images TEXT NOT NULL, image_bytes INTEGER NOT NULL DEFAULT 0,
-	duration_ms REAL NOT NULL DEFAULT 0, method TEXT NOT NULL DEFAULT '');
+	duration_ms REAL NOT NULL DEFAULT 0, method TEXT NOT NULL DEFAULT '',
+	phases TEXT NOT NULL DEFAULT '{}');
 CREATE INDEX IF NOT EXISTS checkpoints_sandbox ON checkpoints(sandbox_id);
 CREATE INDEX IF NOT EXISTS checkpoints_parent ON checkpoints(parent);
 `
@@ -207,7 +208,7 @@ func (s *Store) sandboxes(ctx context.Context, where string, args ...any) ([]*mo
 	return out, rows.Err()
 }
 
-const ckCols = `id, sandbox_id, parent, label, created_at, fs_volume, images, image_bytes, duration_ms, method`
+const ckCols = `id, sandbox_id, parent, label, created_at, fs_volume, images, image_bytes, duration_ms, method, phases`
 
 // AddCheckpoint records a published checkpoint and, in the same transaction, the
 // sandbox whose head it becomes (sb may be nil).
@@ -217,8 +218,9 @@ func (s *Store) AddCheckpoint(ctx context.Context, c *model.Checkpoint, sb *mode
 		return err
 	}
 	defer tx.Rollback()
-	if _, err := tx.ExecContext(ctx, `INSERT INTO checkpoints(`+ckCols+`) VALUES(?,?,?,?,?,?,?,?,?,?)`,
-		c.ID, c.SandboxID, c.Parent, c.Label, ts(c.CreatedAt), c.FSVolume, c.Images, c.ImageBytes, c.DurationMS, c.Method); err != nil {
+	phases, _ := json.Marshal(c.PhasesMS)
+	if _, err := tx.ExecContext(ctx, `INSERT INTO checkpoints(`+ckCols+`) VALUES(?,?,?,?,?,?,?,?,?,?,?)`,
+		c.ID, c.SandboxID, c.Parent, c.Label, ts(c.CreatedAt), c.FSVolume, c.Images, c.ImageBytes, c.DurationMS, c.Method, string(phases)); err != nil {
 		return err
 	}
 	if sb != nil {
@@ -284,11 +286,12 @@ func (s *Store) checkpoints(ctx context.Context, where string, args ...any) ([]*
 	var out []*model.Checkpoint
 	for rows.Next() {
 		var c model.Checkpoint
-		var created string
+		var created, phases string
 		if err := rows.Scan(&c.ID, &c.SandboxID, &c.Parent, &c.Label, &created, &c.FSVolume, &c.Images,
-			&c.ImageBytes, &c.DurationMS, &c.Method); err != nil {
+			&c.ImageBytes, &c.DurationMS, &c.Method, &phases); err != nil {
 			return nil, err
 		}
+		json.Unmarshal([]byte(phases), &c.PhasesMS)
 		c.CreatedAt = parseTS(created)
 		out = append(out, &c)
 	}

@@ -15,21 +15,68 @@ import (
 // cgroupRoot is where the v1 controllers are mounted on this machine kind (hybrid mode).
 var cgroupRoot = "/sys/fs/cgroup"
 
-// controllers a sandbox gets a cgroup in. The freezer stops the tree for a checkpoint.
-var controllers = []string{"memory", "pids", "cpu", "freezer"}
+// hierarchy is a v1 cgroup hierarchy: the controller name CRIU knows it by, and the
+// directory it is mounted on under cgroupRoot.
+type hierarchy struct{ ctrl, dir string }
 
-// cgroupPath is the cgroup of a sandbox, relative to every controller's root.
+// hierarchies a sandbox gets a cgroup in: every v1 hierarchy of this machine kind, so
+// that the sandbox's cgroup namespace is rooted at its own cgroup everywhere and CRIU
+// dumps only the sandbox's cgroups (in the host's root cgroup it would walk them all).
+// memory, pids and cpu carry the limits; the freezer stops the tree for a checkpoint.
+var hierarchies = []hierarchy{
+	{"memory", "memory"}, {"pids", "pids"}, {"cpu", "cpu"}, {"cpuacct", "cpuacct"},
+	{"cpuset", "cpuset"}, {"devices", "devices"}, {"freezer", "freezer"}, {"blkio", "blkio"},
+	{"name=systemd", "systemd"},
+}
+
+// present returns the hierarchies mounted here.
+func present() []hierarchy {
+	var out []hierarchy
+	for _, h := range hierarchies {
+		if _, err := os.Stat(filepath.Join(cgroupRoot, h.dir, "cgroup.procs")); err == nil {
+			out = append(out, h)
+		}
+	}
+	return out
+}
+
+// controllerNames are the names CRIU maps to a sandbox's cgroup on restore.
+func controllerNames() []string {
+	var out []string
+	for _, h := range present() {
+		out = append(out, h.ctrl)
+	}
+	return out
+}
+
+// cgroupPath is the cgroup of a sandbox, relative to every hierarchy's root.
 func cgroupPath(id string) string { return "/cairn/" + id }
 
-func ctrlDir(ctrl, id string) string {
-	return filepath.Join(cgroupRoot, ctrl, cgroupPath(id))
+func ctrlDir(dir, id string) string {
+	return filepath.Join(cgroupRoot, dir, cgroupPath(id))
 }
 
 // createCgroups makes the sandbox's cgroups and writes its limits.
 func createCgroups(id string, l isolation.Limits) error {
-	for _, c := range controllers {
-		if err := os.MkdirAll(ctrlDir(c, id), 0o755); err != nil {
-			return fmt.Errorf("cgroup %s: %w (are the v1 controllers mounted under %s?)", c, err, cgroupRoot)
+	hs := present()
+	for _, r := range []string{"memory", "pids", "cpu", "freezer"} {
+		if _, err := os.Stat(filepath.Join(cgroupRoot, r)); err != nil {
+			return fmt.Errorf("cgroup controller %s is not mounted under %s: cairn needs the v1 memory, pids, cpu and freezer controllers", r, cgroupRoot)
+		}
+	}
+	for _, h := range hs {
+		if h.dir == "cpuset" {
+			if err := initCpuset(filepath.Join(cgroupRoot, "cpuset", "cairn")); err != nil {
+				return err
+			}
+		}
+		if err := os.MkdirAll(ctrlDir(h.dir, id), 0o755); err != nil {
+			return fmt.Errorf("cgroup %s: %w", h.dir, err)
+		}
+		if h.dir == "cpuset" {
+			if err := initCpuset(ctrlDir(h.dir, id)); err != nil {
+				return err
+			}
 		}
 	}
 	mem := l.MemoryBytes
@@ -58,10 +105,32 @@ func createCgroups(id string, l isolation.Limits) error {
 	return nil
 }
 
+// initCpuset creates a cpuset cgroup whose cpus and mems are its parent's: a new cpuset
+// starts empty, and no task may join an empty one.
+func initCpuset(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+		cur, _ := os.ReadFile(filepath.Join(dir, f))
+		if strings.TrimSpace(string(cur)) != "" {
+			continue
+		}
+		parent, err := os.ReadFile(filepath.Join(filepath.Dir(dir), f))
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, f), parent, 0); err != nil {
+			return fmt.Errorf("cpuset %s: %w", f, err)
+		}
+	}
+	return nil
+}
+
 func joinCgroups(id string, pid int) error {
-	for _, c := range controllers {
-		if err := os.WriteFile(filepath.Join(ctrlDir(c, id), "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {
-			return fmt.Errorf("join cgroup %s: %w", c, err)
+	for _, h := range present() {
+		if err := os.WriteFile(filepath.Join(ctrlDir(h.dir, id), "cgroup.procs"), []byte(strconv.Itoa(pid)), 0); err != nil {
+			return fmt.Errorf("join cgroup %s: %w", h.dir, err)
 		}
 	}
 	return nil
@@ -82,8 +151,8 @@ func cgroupPids(id string) []int {
 // removeCgroups deletes the sandbox's cgroups; they must be empty.
 func removeCgroups(id string) error {
 	var errs []error
-	for _, c := range controllers {
-		d := ctrlDir(c, id)
+	for _, h := range present() {
+		d := ctrlDir(h.dir, id)
 		for i := 0; i < 100; i++ {
 			err := os.Remove(d)
 			if err == nil || errors.Is(err, os.ErrNotExist) {

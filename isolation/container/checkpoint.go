@@ -2,11 +2,11 @@ package container
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
+	"time"
 
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/errdefs"
@@ -21,24 +21,35 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 	if !b.Running(sb) {
 		return errdefs.FailedPrecondition("sandbox %s is not running", sb.ID)
 	}
+	t := time.Now()
 	if err := freeze(sb.ID); err != nil {
 		thaw(sb.ID)
 		return err
 	}
+	hooks.Report("freeze", t)
 	defer func() {
+		t := time.Now()
 		if terr := thaw(sb.ID); terr != nil && err == nil {
 			err = terr
 		}
+		hooks.Report("thaw", t)
 	}()
 	if hooks.Frozen != nil {
 		if err := hooks.Frozen(ctx); err != nil {
 			return err
 		}
 	}
+	var st unix.Stat_t
+	if err := unix.Stat(fmt.Sprintf("/proc/%d/ns/net", sb.Init.Pid), &st); err != nil {
+		return fmt.Errorf("network namespace of sandbox %s: %w", sb.ID, err)
+	}
+	t = time.Now()
+	defer hooks.Report("dump", t)
 	return criu.Dump(ctx, criu.DumpOptions{
 		Pid:          sb.Init.Pid,
 		ImagesDir:    dir,
 		FreezeCgroup: ctrlDir("freezer", sb.ID),
+		NetNS:        st.Ino,
 	})
 }
 
@@ -58,18 +69,24 @@ func (b *Backend) Restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		removeCgroups(sb.ID)
 		return fmt.Errorf("bind root for restore: %w", err)
 	}
+	netns, err := newNetNS()
+	if err != nil {
+		unix.Unmount(sb.Root, unix.MNT_DETACH)
+		removeCgroups(sb.ID)
+		return fmt.Errorf("network namespace for restore: %w", err)
+	}
+	defer netns.Close()
 	pid, rerr := criu.Restore(ctx, criu.RestoreOptions{
+		NetNS:       netns,
 		ImagesDir:   dir,
+		KeepLog:     filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),
 		WorkDir:     work,
 		Root:        sb.Root,
 		CgroupRoot:  cgroupPath(sb.ID),
-		Controllers: controllers,
+		Controllers: controllerNames(),
 	})
 	unix.Unmount(sb.Root, unix.MNT_DETACH)
 	if rerr != nil {
-		if log, err := os.ReadFile(filepath.Join(work, "restore.log")); err == nil {
-			os.WriteFile(filepath.Join(filepath.Dir(sb.Root), "last-restore-"+sb.ID+".log"), log, 0o644)
-		}
 		b.Stop(ctx, sb)
 		return rerr
 	}
@@ -111,4 +128,50 @@ func setHostname(pid int, name string) error {
 	return <-errc
 }
 
-var _ = errors.New
+// newNetNS makes a network namespace with its loopback up, for a restored tree (the
+// images hold the sockets, not the namespace). The namespace lives as long as a
+// descriptor or a process refers to it.
+func newNetNS() (*os.File, error) {
+	type result struct {
+		f   *os.File
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		// The thread that unshares is never returned to the runtime: the goroutine exits
+		// locked and Go ends the thread with it.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			ch <- result{err: err}
+			return
+		}
+		f, err := os.Open("/proc/thread-self/ns/net")
+		if err == nil {
+			err = loopbackUp()
+		}
+		ch <- result{f, err}
+	}()
+	r := <-ch
+	if r.err != nil && r.f != nil {
+		r.f.Close()
+	}
+	return r.f, r.err
+}
+
+// loopbackUp sets "lo" up in the calling thread's network namespace.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return err
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
+}
