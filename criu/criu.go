@@ -83,7 +83,9 @@ type RestoreOptions struct {
 	ImagesDir string
 	WorkDir   string // per-restore scratch (logs); images may be shared by concurrent restores
 	KeepLog   string // where to keep CRIU's log if the restore fails (the work dir is removed)
-	Root      string // mount point of the new root filesystem
+	// LeaveStopped leaves every restored task stopped (SIGSTOP) instead of running.
+	LeaveStopped bool
+	Root         string // mount point of the new root filesystem
 	// NetNS is the network namespace to restore the tree into (see DumpOptions.NetNS).
 	NetNS *os.File
 	// CgroupRoot maps the tree's cgroups to this path in each of Controllers.
@@ -167,6 +169,9 @@ func Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		LogLevel:       i32(2),
 		LogFile:        str("restore.log"),
 		NetworkLock:    rpc.CriuNetworkLockMethod_SKIP.Enum(),
+	}
+	if opts.LeaveStopped {
+		ro.LeaveStopped = b(true)
 	}
 	mode := rpc.CriuCgMode_SOFT
 	ro.ManageCgroupsMode = &mode

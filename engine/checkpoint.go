@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"sync"
 	"time"
@@ -126,6 +127,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		e.removeCheckpointFiles(context.WithoutCancel(ctx), ck.ID)
 		return nil, err
 	}
+	e.refill(ck, e.cfg.Standbys)
 	return ck, nil
 }
 
@@ -210,6 +212,15 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	if err != nil {
 		return err
 	}
+	// Fast path: a standby of the checkpoint is already restored and frozen.
+	old := *sb
+	if ok, err := e.takeStandby(ctx, sb, ck, nil); err != nil {
+		return err
+	} else if ok {
+		e.retire(b, &old)
+		e.refill(ck, 1)
+		return nil
+	}
 	newRoot := rootVolume(id)
 	// The new root is ready before the old tree stops, to keep the gap short.
 	if err := e.pool.Snapshot(ctx, ck.FSVolume, newRoot, false); err != nil {
@@ -221,7 +232,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 		return err
 	}
 	oldRoot := sb.Root
-	isb.Root = e.pool.Path(newRoot)
+	isb.Root, isb.Cgroup = e.pool.Path(newRoot), path.Base(newRoot)
 	if err := b.Restore(ctx, isb, e.imagesPath(ck.Images)); err != nil {
 		e.pool.Delete(context.WithoutCancel(ctx), newRoot)
 		sb.State, sb.Init = model.StateStopped, isolation.Proc{}
@@ -298,6 +309,13 @@ func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sa
 		ID: id, Template: src.Template, Isolation: b.Name(), State: model.StateRunning, Hostname: id,
 		Head: ck.ID, Origin: ck.ID, Labels: labels, Limits: src.Limits, CreatedAt: time.Now().UTC(),
 		Root: rootVolume(id),
+	}
+	identity := func(root string) error { return writeIdentity(root, id) }
+	if ok, err := e.takeStandby(ctx, sb, ck, identity); err != nil {
+		return nil, err
+	} else if ok {
+		e.refill(ck, 1)
+		return sb, nil
 	}
 	if err := e.pool.Snapshot(ctx, ck.FSVolume, sb.Root, false); err != nil {
 		return nil, err
@@ -388,6 +406,7 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, id string, cascade bool) 
 	if err := e.db.DeleteCheckpoints(ctx, victims); err != nil {
 		return nil, err
 	}
+	e.dropStandbys(ctx, victims)
 	for _, v := range victims {
 		e.removeCheckpointFiles(ctx, v)
 	}
@@ -403,4 +422,18 @@ func (e *Engine) removeCheckpointFiles(ctx context.Context, id string) {
 func (e *Engine) removeStaged(ctx context.Context, dir string) {
 	e.pool.Delete(ctx, filepath.Join(dir, "fs"))
 	os.RemoveAll(e.pool.Path(dir))
+}
+
+// retire stops a tree a sandbox no longer runs and deletes its root, in the background:
+// the sandbox already runs on its new root and cgroups.
+func (e *Engine) retire(b isolation.Backend, old *model.Sandbox) {
+	isb := e.isb(old)
+	e.background(func(ctx context.Context) {
+		if err := b.Stop(ctx, isb); err != nil {
+			e.cfg.Logf("stop the replaced tree of %s: %v", old.ID, err)
+		}
+		if err := e.pool.Delete(ctx, old.Root); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+			e.cfg.Logf("delete the replaced root of %s: %v", old.ID, err)
+		}
+	})
 }

@@ -20,8 +20,10 @@ import (
 	"fmt"
 	"math/big"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -47,6 +49,15 @@ type Config struct {
 	InitBinary string
 	// Progress receives progress of long work (template builds); nil for none.
 	Progress template.Progress
+	// Standbys is how many frozen restored copies of each new checkpoint to prepare in
+	// the background (0: the default, 1; -1: none). See standby.go.
+	Standbys int
+	// StandbyBudget bounds the image bytes of all standbys (DefaultStandbyBudget), and
+	// MaxStandbys their number (DefaultMaxStandbys).
+	StandbyBudget int64
+	MaxStandbys   int
+	// Logf reports problems of background work (default: discarded).
+	Logf func(format string, args ...any)
 }
 
 // DefaultDataDir is where cairn keeps its state unless told otherwise.
@@ -62,6 +73,12 @@ type Engine struct {
 	btrfs    *btrfs.Pool
 	db       *store.Store
 	backends map[string]isolation.Backend
+
+	// bgWG counts background work (standby preparation, cleanup); Close waits for it.
+	bgWG sync.WaitGroup
+	bgMu sync.Mutex
+	// bgStats counts background work; protected by bgMu.
+	bgStats Stats
 }
 
 // Open opens (creating on first use) the data directory and its pool.
@@ -83,6 +100,18 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	if cfg.InitBinary == "" {
 		cfg.InitBinary = findInit()
+	}
+	if cfg.Standbys == 0 {
+		cfg.Standbys = 1
+	}
+	if cfg.StandbyBudget == 0 {
+		cfg.StandbyBudget = DefaultStandbyBudget
+	}
+	if cfg.MaxStandbys == 0 {
+		cfg.MaxStandbys = DefaultMaxStandbys
+	}
+	if cfg.Logf == nil {
+		cfg.Logf = func(string, ...any) {}
 	}
 	for _, d := range []string{cfg.DataDir, filepath.Join(cfg.DataDir, "locks")} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -113,8 +142,11 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	return e, nil
 }
 
-// Close releases the engine. Sandboxes keep running.
-func (e *Engine) Close() error { return e.db.Close() }
+// Close waits for background work and releases the engine. Sandboxes keep running.
+func (e *Engine) Close() error {
+	e.bgWG.Wait()
+	return e.db.Close()
+}
 
 // DataDir returns the data directory in use.
 func (e *Engine) DataDir() string { return e.cfg.DataDir }
@@ -218,7 +250,10 @@ func (e *Engine) tryLock(id string) (func(), bool) {
 
 // isb is the backend's view of a sandbox record.
 func (e *Engine) isb(sb *model.Sandbox) *isolation.Sandbox {
-	return &isolation.Sandbox{ID: sb.ID, Hostname: sb.Hostname, Root: e.pool.Path(sb.Root), Limits: sb.Limits, Init: sb.Init}
+	// Each root generation has its own cgroups, so a new tree can start while the old
+	// one is still being torn down.
+	return &isolation.Sandbox{ID: sb.ID, Hostname: sb.Hostname, Root: e.pool.Path(sb.Root), Limits: sb.Limits,
+		Init: sb.Init, Cgroup: path.Base(sb.Root)}
 }
 
 // refresh sets sb.State from whether its init is alive.

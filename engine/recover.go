@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 
@@ -23,18 +24,20 @@ func (e *Engine) recover(ctx context.Context) error {
 	for _, sb := range sbs {
 		if sb.State == model.StateRunning {
 			if unlock, ok := e.tryLock(sb.ID); ok {
-				thawIfFrozen(sb.ID)
+				thawIfFrozen(path.Base(sb.Root))
 				unlock()
 			}
 		}
 	}
+	e.recoverStandbys(ctx)
 	_, err = e.sweep(ctx, false)
 	return err
 }
 
-// thawIfFrozen thaws a sandbox whose checkpoint died between freeze and thaw.
-func thawIfFrozen(id string) {
-	f := filepath.Join("/sys/fs/cgroup/freezer/cairn", id, "freezer.state")
+// thawIfFrozen thaws a sandbox (by cgroup name) whose checkpoint died between freeze
+// and thaw.
+func thawIfFrozen(cgroup string) {
+	f := filepath.Join("/sys/fs/cgroup/freezer/cairn", cgroup, "freezer.state")
 	if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) != "THAWED" {
 		os.WriteFile(f, []byte("THAWED"), 0)
 	}
@@ -102,6 +105,24 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 				e.removeCheckpointFiles(ctx, d.Name())
 			}
 			removed = append(removed, filepath.Join(checkpointsDir, d.Name()))
+		}
+	}
+	standbys, _ := e.db.Standbys(ctx)
+	for _, s := range standbys {
+		roots[s.Root] = true
+	}
+	entries, _ = os.ReadDir(e.pool.Path(standbyDir))
+	for _, d := range entries {
+		name := filepath.Join(standbyDir, d.Name())
+		if roots[name] {
+			continue
+		}
+		if unlock, ok := e.tryLock(d.Name()); ok {
+			if !dryRun {
+				e.pool.Delete(ctx, name)
+			}
+			removed = append(removed, name)
+			unlock()
 		}
 	}
 	entries, _ = os.ReadDir(e.pool.Path("roots"))
@@ -183,6 +204,7 @@ func (e *Engine) GC(ctx context.Context) (*model.GCReport, error) {
 	if err := e.db.DeleteCheckpoints(ctx, victims); err != nil {
 		return nil, err
 	}
+	e.dropStandbys(ctx, victims)
 	for _, v := range victims {
 		e.removeCheckpointFiles(ctx, v)
 	}

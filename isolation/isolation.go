@@ -37,8 +37,33 @@ type Sandbox struct {
 	Hostname string
 	Root     string
 	Limits   Limits
+	// Cgroup names the sandbox's cgroups (default: ID). A sandbox restored onto a new
+	// root gets new cgroups while the old tree may still be exiting from its own.
+	Cgroup string
 	// Init identifies the running init, set by Start and Restore; zero when stopped.
 	Init Proc
+}
+
+// CgroupName is the name of the sandbox's cgroups.
+func (sb *Sandbox) CgroupName() string {
+	if sb.Cgroup != "" {
+		return sb.Cgroup
+	}
+	return sb.ID
+}
+
+// FrozenRestorer is implemented by backends that can restore a tree without letting
+// any of its instructions run, for standby copies that a rollback or fork activates.
+type FrozenRestorer interface {
+	// RestoreFrozen is Restore, but the tree stays frozen until Activate.
+	RestoreFrozen(ctx context.Context, sb *Sandbox, dir string) error
+}
+
+// Activator is implemented by backends with FrozenRestorer.
+type Activator interface {
+	// Activate gives a tree restored by RestoreFrozen the identity in sb (hostname)
+	// and lets it run.
+	Activate(ctx context.Context, sb *Sandbox) error
 }
 
 // Proc identifies a host process across PID reuse.

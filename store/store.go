@@ -10,6 +10,9 @@
 //	checkpoints(id PK, sandbox_id, parent, label, created_at, fs_volume, images,
 //	          image_bytes, duration_ms, method, phases JSON)
 //
+// The standbys table (standby.go) is a cache of restored-but-frozen copies; it is not
+// part of the versioned schema and may be dropped at any time.
+//
 // Times are RFC 3339 with nanoseconds, UTC. A checkpoint row is written only after its
 // filesystem and images are published under their final names, so every row refers to
 // complete state; files without a row are leftovers that recovery deletes. The database
@@ -81,7 +84,12 @@ func Open(path string) (*Store, error) {
 		db.Close()
 		return nil, err
 	}
-	return &Store{db: db}, nil
+	st := &Store{db: db}
+	if err := st.standbyTable(); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("metadata database %s: %w", path, err)
+	}
+	return st, nil
 }
 
 // Close closes the database.

@@ -148,6 +148,18 @@ func cgroupPids(id string) []int {
 	return pids
 }
 
+// cgroupTasks lists every thread in the sandbox's freezer cgroup.
+func cgroupTasks(id string) []int {
+	b, _ := os.ReadFile(filepath.Join(ctrlDir("freezer", id), "tasks"))
+	var pids []int
+	for _, f := range strings.Fields(string(b)) {
+		if p, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, p)
+		}
+	}
+	return pids
+}
+
 // removeCgroups deletes the sandbox's cgroups; they must be empty.
 func removeCgroups(id string) error {
 	var errs []error

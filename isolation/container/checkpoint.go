@@ -22,14 +22,14 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 		return errdefs.FailedPrecondition("sandbox %s is not running", sb.ID)
 	}
 	t := time.Now()
-	if err := freeze(sb.ID); err != nil {
-		thaw(sb.ID)
+	if err := freeze(sb.CgroupName()); err != nil {
+		thaw(sb.CgroupName())
 		return err
 	}
 	hooks.Report("freeze", t)
 	defer func() {
 		t := time.Now()
-		if terr := thaw(sb.ID); terr != nil && err == nil {
+		if terr := thaw(sb.CgroupName()); terr != nil && err == nil {
 			err = terr
 		}
 		hooks.Report("thaw", t)
@@ -48,14 +48,33 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 	return criu.Dump(ctx, criu.DumpOptions{
 		Pid:          sb.Init.Pid,
 		ImagesDir:    dir,
-		FreezeCgroup: ctrlDir("freezer", sb.ID),
+		FreezeCgroup: ctrlDir("freezer", sb.CgroupName()),
 		NetNS:        st.Ino,
 	})
 }
 
 // Restore implements isolation.Backend.
 func (b *Backend) Restore(ctx context.Context, sb *isolation.Sandbox, dir string) error {
-	if err := createCgroups(sb.ID, sb.Limits); err != nil {
+	return b.restore(ctx, sb, dir, false)
+}
+
+// RestoreFrozen implements isolation.FrozenRestorer: CRIU leaves the restored tasks
+// stopped, the cgroup freezer then holds them, and the stop is lifted under the freezer,
+// so no instruction of the tree runs before Activate.
+func (b *Backend) RestoreFrozen(ctx context.Context, sb *isolation.Sandbox, dir string) error {
+	return b.restore(ctx, sb, dir, true)
+}
+
+// Activate implements isolation.Activator.
+func (b *Backend) Activate(ctx context.Context, sb *isolation.Sandbox) error {
+	if err := setHostname(sb.Init.Pid, sb.Hostname); err != nil {
+		return fmt.Errorf("hostname of sandbox %s: %w", sb.ID, err)
+	}
+	return thaw(sb.CgroupName())
+}
+
+func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string, frozen bool) error {
+	if err := createCgroups(sb.CgroupName(), sb.Limits); err != nil {
 		return err
 	}
 	work, err := os.MkdirTemp("", "cairn-restore-")
@@ -66,24 +85,25 @@ func (b *Backend) Restore(ctx context.Context, sb *isolation.Sandbox, dir string
 	// CRIU pivots into the root, so it must be a mount point: bind it onto itself for the
 	// restore; the restored tree keeps its own mount namespace after we detach ours.
 	if err := unix.Mount(sb.Root, sb.Root, "", unix.MS_BIND, ""); err != nil {
-		removeCgroups(sb.ID)
+		removeCgroups(sb.CgroupName())
 		return fmt.Errorf("bind root for restore: %w", err)
 	}
 	netns, err := newNetNS()
 	if err != nil {
 		unix.Unmount(sb.Root, unix.MNT_DETACH)
-		removeCgroups(sb.ID)
+		removeCgroups(sb.CgroupName())
 		return fmt.Errorf("network namespace for restore: %w", err)
 	}
 	defer netns.Close()
 	pid, rerr := criu.Restore(ctx, criu.RestoreOptions{
-		NetNS:       netns,
-		ImagesDir:   dir,
-		KeepLog:     filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),
-		WorkDir:     work,
-		Root:        sb.Root,
-		CgroupRoot:  cgroupPath(sb.ID),
-		Controllers: controllerNames(),
+		NetNS:        netns,
+		ImagesDir:    dir,
+		KeepLog:      filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),
+		LeaveStopped: frozen,
+		WorkDir:      work,
+		Root:         sb.Root,
+		CgroupRoot:   cgroupPath(sb.CgroupName()),
+		Controllers:  controllerNames(),
 	})
 	unix.Unmount(sb.Root, unix.MNT_DETACH)
 	if rerr != nil {
@@ -95,6 +115,13 @@ func (b *Backend) Restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		return err
 	}
 	sb.Init = isolation.Proc{Pid: pid, StartTime: st}
+	if frozen {
+		if err := freezeStopped(sb.CgroupName()); err != nil {
+			b.Stop(ctx, sb)
+			return err
+		}
+		return nil
+	}
 	if err := setHostname(pid, sb.Hostname); err != nil {
 		b.Stop(ctx, sb)
 		return fmt.Errorf("hostname of restored sandbox: %w", err)
@@ -174,4 +201,16 @@ func loopbackUp() error {
 	}
 	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
 	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
+}
+
+// freezeStopped freezes a cgroup whose tasks CRIU left stopped, then continues them: the
+// freezer keeps them from running, and a thaw alone later starts the whole tree at once.
+func freezeStopped(cgroup string) error {
+	if err := freeze(cgroup); err != nil {
+		return err
+	}
+	for _, pid := range cgroupTasks(cgroup) {
+		unix.Kill(pid, unix.SIGCONT)
+	}
+	return nil
 }

@@ -60,7 +60,7 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 	}
 	ctlDir := filepath.Join(sb.Root, initctl.Dir)
 	os.Remove(filepath.Join(ctlDir, initctl.ReadyFile))
-	if err := createCgroups(sb.ID, sb.Limits); err != nil {
+	if err := createCgroups(sb.CgroupName(), sb.Limits); err != nil {
 		return err
 	}
 	cfg, _ := json.Marshal(setupConfig{Root: sb.Root, Hostname: sb.Hostname, Seccomp: b.seccomp})
@@ -80,20 +80,20 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 		Setsid:     true,
 	}
 	if err := cmd.Start(); err != nil {
-		removeCgroups(sb.ID)
+		removeCgroups(sb.CgroupName())
 		return fmt.Errorf("start sandbox init: %w", err)
 	}
 	pid := cmd.Process.Pid
 	fail := func(err error) error {
 		cmd.Process.Kill()
 		cmd.Wait()
-		removeCgroups(sb.ID)
+		removeCgroups(sb.CgroupName())
 		if msg := strings.TrimSpace(stderr.String()); msg != "" {
 			return fmt.Errorf("%w: %s", err, msg)
 		}
 		return err
 	}
-	if err := joinCgroups(sb.ID, pid); err != nil {
+	if err := joinCgroups(sb.CgroupName(), pid); err != nil {
 		return fail(err)
 	}
 	gateW.Write([]byte{1})
@@ -169,19 +169,19 @@ func (b *Backend) Stop(ctx context.Context, sb *isolation.Sandbox) error {
 	if b.Running(sb) {
 		unix.Kill(sb.Init.Pid, unix.SIGKILL)
 	}
-	for _, p := range cgroupPids(sb.ID) {
+	for _, p := range cgroupPids(sb.CgroupName()) {
 		unix.Kill(p, unix.SIGKILL)
 	}
-	thaw(sb.ID)
+	thaw(sb.CgroupName())
 	deadline := time.Now().Add(10 * time.Second)
-	for len(cgroupPids(sb.ID)) > 0 || (sb.Init.Pid != 0 && b.Running(sb)) {
+	for len(cgroupPids(sb.CgroupName())) > 0 || (sb.Init.Pid != 0 && b.Running(sb)) {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("sandbox %s: processes did not exit after SIGKILL", sb.ID)
 		}
 		time.Sleep(time.Millisecond)
 	}
 	sb.Init = isolation.Proc{}
-	return removeCgroups(sb.ID)
+	return removeCgroups(sb.CgroupName())
 }
 
 // Running implements isolation.Backend.

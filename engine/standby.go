@@ -1,0 +1,276 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"path"
+	"sync"
+	"time"
+
+	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/store"
+)
+
+// Standbys. A standby is a checkpoint restored ahead of time onto its own writable root
+// and kept frozen before any instruction of it has run. Rolling back or forking to a
+// checkpoint with a standby is then a claim (one SQLite statement), a hostname and a
+// thaw: the CRIU restore already happened, off the critical path. The claimed standby
+// is replaced in the background. Standbys are a cache bounded by Config.StandbyBudget
+// (oldest evicted first); losing them loses nothing.
+
+// standbyDir holds the roots of standbys in the pool.
+const standbyDir = "standby"
+
+// Defaults of the standby cache.
+const (
+	DefaultStandbyBudget = 4 << 30
+	DefaultMaxStandbys   = 64
+)
+
+// background runs f off the caller's critical path. Close waits for it.
+func (e *Engine) background(f func(ctx context.Context)) {
+	e.bgWG.Add(1)
+	go func() {
+		defer e.bgWG.Done()
+		start := time.Now()
+		f(context.Background())
+		e.bgMu.Lock()
+		e.bgStats.BackgroundMS += float64(time.Since(start).Microseconds()) / 1000
+		e.bgMu.Unlock()
+	}()
+}
+
+// Stats are cumulative counters of this engine's background work.
+type Stats struct {
+	StandbysPrepared int     `json:"standbys_prepared"`
+	StandbysClaimed  int     `json:"standbys_claimed"`
+	StandbysEvicted  int     `json:"standbys_evicted"`
+	StandbyMisses    int     `json:"standby_misses"`
+	BackgroundMS     float64 `json:"background_ms"`
+}
+
+// Stats returns the engine's counters.
+func (e *Engine) Stats() Stats {
+	e.bgMu.Lock()
+	defer e.bgMu.Unlock()
+	return e.bgStats
+}
+
+func (e *Engine) count(f func(*Stats)) {
+	e.bgMu.Lock()
+	f(&e.bgStats)
+	e.bgMu.Unlock()
+}
+
+// Prewarm prepares n standbys of a checkpoint now (in parallel, bounded), so that the
+// next n rollbacks or forks to it are thaws. Typical use: before resetting a batch of
+// RL sandboxes to one warm checkpoint.
+func (e *Engine) Prewarm(ctx context.Context, checkpointID string, n int) error {
+	if n < 1 || n > MaxFork {
+		return errdefs.InvalidArgument("prewarm count %d: give 1 to %d", n, MaxFork)
+	}
+	ck, err := e.GetCheckpoint(ctx, checkpointID)
+	if err != nil {
+		return err
+	}
+	errs := make([]error, n)
+	sem := make(chan struct{}, 2)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			errs[i] = e.prepareStandby(ctx, ck)
+		}(i)
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// sourceOf returns the isolation and limits a checkpoint's copies run with.
+func (e *Engine) sourceOf(ctx context.Context, ck *model.Checkpoint) (string, isolation.Limits) {
+	if sb, err := e.db.Sandbox(ctx, ck.SandboxID); err == nil {
+		return sb.Isolation, sb.Limits
+	}
+	return "container", isolation.Limits{}
+}
+
+// prepareStandby restores one frozen copy of ck and records it.
+func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error {
+	iso, limits := e.sourceOf(ctx, ck)
+	b, err := e.backend(iso)
+	if err != nil {
+		return err
+	}
+	fr, ok := b.(isolation.FrozenRestorer)
+	if !ok {
+		return nil
+	}
+	sid := newID("s", 11)
+	unlock, err := e.lock(ctx, sid, true)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	root := path.Join(standbyDir, sid)
+	if err := e.pool.Snapshot(ctx, ck.FSVolume, root, false); err != nil {
+		return err
+	}
+	isb := &isolation.Sandbox{ID: sid, Hostname: sid, Root: e.pool.Path(root), Limits: limits, Cgroup: sid}
+	if err := fr.RestoreFrozen(ctx, isb, e.imagesPath(ck.Images)); err != nil {
+		e.pool.Delete(context.WithoutCancel(ctx), root)
+		return fmt.Errorf("standby of %s: %w", ck.ID, err)
+	}
+	s := &store.Standby{ID: sid, Checkpoint: ck.ID, Isolation: iso, Root: root, Init: isb.Init,
+		Bytes: ck.ImageBytes, CreatedAt: time.Now().UTC().Format(time.RFC3339Nano)}
+	if err := e.db.AddStandby(ctx, s); err != nil {
+		e.discard(context.WithoutCancel(ctx), s)
+		return err
+	}
+	e.count(func(st *Stats) { st.StandbysPrepared++ })
+	e.evictStandbys(ctx)
+	return nil
+}
+
+// standbyISB is the backend's view of a standby.
+func (e *Engine) standbyISB(s *store.Standby) *isolation.Sandbox {
+	return &isolation.Sandbox{ID: s.ID, Hostname: s.ID, Root: e.pool.Path(s.Root), Cgroup: path.Base(s.Root), Init: s.Init}
+}
+
+// takeStandby moves sb onto a live standby of ck, if there is one: sb's record is
+// rewritten (root, init, head) in the same transaction that removes the standby, the
+// standby is given sb's identity and thawed. It returns false, with sb unchanged, when
+// there is no usable standby. On success the caller owns the tree sb ran before.
+//
+// Preconditions: the caller holds sb's lock; writeIdentity, if needed, was done by
+// prepare (called with the standby's root path before the swap).
+func (e *Engine) takeStandby(ctx context.Context, sb *model.Sandbox, ck *model.Checkpoint, prepare func(root string) error) (bool, error) {
+	if e.cfg.Standbys < 0 {
+		return false, nil
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return false, nil
+	}
+	act, ok := b.(isolation.Activator)
+	if !ok {
+		return false, nil
+	}
+	cands, err := e.db.StandbysOf(ctx, ck.ID)
+	if err != nil {
+		return false, err
+	}
+	for _, s := range cands {
+		if s.Isolation != sb.Isolation || !b.Running(e.standbyISB(s)) {
+			continue
+		}
+		if prepare != nil {
+			if err := prepare(e.pool.Path(s.Root)); err != nil {
+				return false, err
+			}
+		}
+		next := *sb
+		next.Root, next.Init, next.Head, next.State = s.Root, s.Init, ck.ID, model.StateRunning
+		ok, err := e.db.SwapStandby(ctx, s.ID, &next)
+		if err != nil {
+			return false, err
+		}
+		if !ok {
+			continue // claimed by someone else
+		}
+		if err := act.Activate(ctx, e.isb(&next)); err != nil {
+			// The old tree is untouched: point the record back at it.
+			e.db.PutSandbox(context.WithoutCancel(ctx), sb)
+			e.discard(context.WithoutCancel(ctx), s)
+			return false, fmt.Errorf("activate standby of %s: %w", ck.ID, err)
+		}
+		e.count(func(st *Stats) { st.StandbysClaimed++ })
+		*sb = next
+		return true, nil
+	}
+	e.count(func(st *Stats) { st.StandbyMisses++ })
+	return false, nil
+}
+
+// discard stops a standby (already removed from the table) and deletes its root.
+func (e *Engine) discard(ctx context.Context, s *store.Standby) {
+	if b, err := e.backend(s.Isolation); err == nil {
+		b.Stop(ctx, e.standbyISB(s))
+	}
+	e.pool.Delete(ctx, s.Root)
+}
+
+// refill prepares standbys of ck in the background, up to Config.Standbys.
+func (e *Engine) refill(ck *model.Checkpoint, n int) {
+	if e.cfg.Standbys <= 0 || n <= 0 {
+		return
+	}
+	e.background(func(ctx context.Context) {
+		for i := 0; i < n; i++ {
+			if err := e.prepareStandby(ctx, ck); err != nil {
+				e.cfg.Logf("standby of checkpoint %s: %v", ck.ID, err)
+				return
+			}
+		}
+	})
+}
+
+// evictStandbys keeps the cache within its bounds, oldest first.
+func (e *Engine) evictStandbys(ctx context.Context) {
+	all, err := e.db.Standbys(ctx)
+	if err != nil {
+		return
+	}
+	var total int64
+	for _, s := range all {
+		total += s.Bytes
+	}
+	for len(all) > 0 && (total > e.cfg.StandbyBudget || len(all) > e.cfg.MaxStandbys) {
+		s := all[0]
+		all = all[1:]
+		total -= s.Bytes
+		if ok, _ := e.db.DeleteStandby(ctx, s.ID); ok {
+			e.discard(ctx, s)
+			e.count(func(st *Stats) { st.StandbysEvicted++ })
+		}
+	}
+}
+
+// dropStandbys discards every standby of the given checkpoints (they are being deleted).
+func (e *Engine) dropStandbys(ctx context.Context, checkpoints []string) {
+	dead := map[string]bool{}
+	for _, c := range checkpoints {
+		dead[c] = true
+	}
+	all, _ := e.db.Standbys(ctx)
+	for _, s := range all {
+		if dead[s.Checkpoint] {
+			if ok, _ := e.db.DeleteStandby(ctx, s.ID); ok {
+				e.discard(ctx, s)
+			}
+		}
+	}
+}
+
+// recoverStandbys drops standbys whose processes are gone (after a reboot).
+func (e *Engine) recoverStandbys(ctx context.Context) {
+	all, _ := e.db.Standbys(ctx)
+	for _, s := range all {
+		b, err := e.backend(s.Isolation)
+		if err == nil && b.Running(e.standbyISB(s)) {
+			continue
+		}
+		if ok, _ := e.db.DeleteStandby(ctx, s.ID); ok {
+			e.pool.Delete(ctx, s.Root)
+		}
+	}
+}
