@@ -27,21 +27,22 @@ const (
 )
 
 // Sandbox is a sandbox with its session: the engine's record plus what the daemon keeps
-// about its lifetime.
+// about its lifetime (cairnd always fills the session fields; the in-process backend of
+// the CLI has none, and leaves them out).
 type Sandbox struct {
 	model.Sandbox
 	// SessionID groups the sandboxes of one agent session (generated when not given);
 	// forks inherit it unless told otherwise.
-	SessionID string `json:"session_id"`
+	SessionID string `json:"session_id,omitempty"`
 	// RunID is an optional caller-chosen run identifier (e.g. an RL run).
 	RunID string `json:"run_id,omitempty"`
 	// ExpiresAt is when the TTL runs out; ExpiryPolicy says what happens then.
-	ExpiresAt    time.Time `json:"expires_at"`
-	ExpiryPolicy string    `json:"expiry_policy"`
+	ExpiresAt    time.Time `json:"expires_at,omitzero"`
+	ExpiryPolicy string    `json:"expiry_policy,omitempty"`
 	// IdleTimeoutSeconds is how long the sandbox may go without API activity before the
 	// daemon pauses it (0: never).
-	IdleTimeoutSeconds int64     `json:"idle_timeout_seconds"`
-	LastActivityAt     time.Time `json:"last_activity_at"`
+	IdleTimeoutSeconds int64     `json:"idle_timeout_seconds,omitempty"`
+	LastActivityAt     time.Time `json:"last_activity_at,omitzero"`
 	// PausedReason is "idle" or "expired" while State is "paused".
 	PausedReason string `json:"paused_reason,omitempty"`
 }
