@@ -26,6 +26,11 @@ type Harness struct {
 	Crash func(t *testing.T, sandbox, point string)
 	// Reopen opens a second engine on the same data directory, as a restarted cairn.
 	Reopen func() (*engine.Engine, error)
+	// Stress is how many rollbacks ManyRollbacks does (default 50).
+	Stress int
+	// Warm makes every rollback and fork take the standby fast path: after each
+	// checkpoint, rollback and fork the suite waits for standbys to be ready.
+	Warm bool
 }
 
 // Run runs the whole suite.
@@ -47,6 +52,10 @@ func Run(t *testing.T, h Harness) {
 		{"TreeDiffDelete", testTreeDiffDelete},
 		{"StoppedAndResume", testResume},
 		{"ExecSemantics", testExec},
+		{"FileOffset", testFileOffset},
+		{"PipeBuffer", testPipeBuffer},
+		{"LateChild", testLateChild},
+		{"ManyRollbacks", testManyRollbacks},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, h) })
@@ -150,22 +159,34 @@ func checkpoint(t *testing.T, h Harness, id, label string) string {
 	if err != nil {
 		t.Fatalf("checkpoint: %v", err)
 	}
+	h.settle()
 	return ck.ID
 }
 
 func rollback(t *testing.T, h Harness, id, ck string) {
 	t.Helper()
+	before := h.Engine.Stats()
 	if err := h.Engine.Rollback(context.Background(), id, ck); err != nil {
 		t.Fatalf("rollback to %s: %v", ck, err)
 	}
+	if h.Warm && h.Engine.Stats().StandbysClaimed != before.StandbysClaimed+1 {
+		t.Fatalf("warm rollback to %s did not take the standby path: %+v", ck, h.Engine.Stats())
+	}
+	h.settle()
 }
 
 func fork(t *testing.T, h Harness, ck string, n int) []string {
 	t.Helper()
+	if h.Warm && n > 1 {
+		if err := h.Engine.Prewarm(context.Background(), ck, n-1); err != nil {
+			t.Fatalf("prewarm: %v", err)
+		}
+	}
 	sbs, err := h.Engine.Fork(context.Background(), ck, n)
 	if err != nil {
 		t.Fatalf("fork: %v", err)
 	}
+	h.settle()
 	ids := make([]string, len(sbs))
 	for i, sb := range sbs {
 		ids[i] = sb.ID
@@ -178,5 +199,12 @@ func want(t *testing.T, what, got, want string) {
 	t.Helper()
 	if got != want {
 		t.Fatalf("%s = %q, want %q", what, got, want)
+	}
+}
+
+// settle waits for standbys in a warm harness.
+func (h Harness) settle() {
+	if h.Warm {
+		h.Engine.Quiesce()
 	}
 }

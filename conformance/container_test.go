@@ -17,9 +17,14 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// harness runs the suite on the named backend.
+// harness runs the suite on the named backend with the default configuration.
 func harness(t *testing.T, isolation string) Harness {
-	e := testenv.Engine(t)
+	return harnessWith(t, isolation, nil)
+}
+
+// harnessWith runs the suite on the named backend with a configuration hook.
+func harnessWith(t *testing.T, isolation string, configure func(*engine.Config)) Harness {
+	e := testenv.EngineWith(t, configure)
 	initBin := testenv.InitBinary(t)
 	return Harness{
 		Engine:    e,
@@ -38,6 +43,23 @@ func harness(t *testing.T, isolation string) Harness {
 	}
 }
 
+// TestContainer runs the suite with the default configuration: standbys are prepared
+// in the background, and each rollback or fork takes whichever path is ready.
 func TestContainer(t *testing.T) {
-	Run(t, harness(t, "container"))
+	h := harness(t, "container")
+	h.Stress = 1000
+	Run(t, h)
+}
+
+// TestContainerNoStandby runs the suite with every fast path disabled: each rollback
+// and fork is a CRIU restore.
+func TestContainerNoStandby(t *testing.T) {
+	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.Standbys = -1 }))
+}
+
+// TestContainerWarm runs the suite with every rollback and fork on the standby path.
+func TestContainerWarm(t *testing.T) {
+	h := harness(t, "container")
+	h.Warm = true
+	Run(t, h)
 }

@@ -243,6 +243,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	if err := e.db.PutSandbox(ctx, sb); err != nil {
 		return err
 	}
+	e.refillIfNone(ctx, ck)
 	// Deleted only once the metadata no longer points at it.
 	if err := e.pool.Delete(ctx, oldRoot); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
 		return fmt.Errorf("rolled back, but removing the old root failed: %w", err)

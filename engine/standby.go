@@ -224,6 +224,14 @@ func (e *Engine) refill(ck *model.Checkpoint, n int) {
 	})
 }
 
+// refillIfNone prepares a standby of ck in the background unless one exists: after a
+// rollback or fork that found none, the next one to the same checkpoint is likely.
+func (e *Engine) refillIfNone(ctx context.Context, ck *model.Checkpoint) {
+	if l, err := e.db.StandbysOf(ctx, ck.ID); err == nil && len(l) == 0 {
+		e.refill(ck, 1)
+	}
+}
+
 // evictStandbys keeps the cache within its bounds, oldest first.
 func (e *Engine) evictStandbys(ctx context.Context) {
 	all, err := e.db.Standbys(ctx)
@@ -274,3 +282,8 @@ func (e *Engine) recoverStandbys(ctx context.Context) {
 		}
 	}
 }
+
+// Quiesce waits until the background work started so far (standby preparation, cleanup
+// of replaced trees) is done. Benchmarks and tests use it to measure or exercise the
+// warm path; nothing else needs it.
+func (e *Engine) Quiesce() { e.bgWG.Wait() }

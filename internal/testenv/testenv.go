@@ -90,16 +90,31 @@ func InitBinary(t testing.TB) string {
 // Engine opens an engine on the shared test data directory, with the default template
 // present. It is closed at the end of the test.
 func Engine(t testing.TB) *engine.Engine {
+	return EngineWith(t, nil)
+}
+
+// EngineWith is Engine with a configuration hook (nil for none).
+func EngineWith(t testing.TB, configure func(*engine.Config)) *engine.Engine {
 	t.Helper()
 	Require(t)
 	ctx := context.Background()
-	e, err := engine.Open(ctx, engine.Config{DataDir: DataDir(), InitBinary: InitBinary(t), Progress: template.NewBarProgress(os.Stderr)})
+	cfg := Config(t)
+	cfg.Progress = template.NewBarProgress(os.Stderr)
+	if configure != nil {
+		configure(&cfg)
+	}
+	e, err := engine.Open(ctx, cfg)
 	if err != nil {
 		t.Fatalf("open engine: %v", err)
 	}
 	t.Cleanup(func() { e.Close() })
 	EnsureTemplate(t, e)
 	return e
+}
+
+// Config is the engine configuration of the tests.
+func Config(t testing.TB) engine.Config {
+	return engine.Config{DataDir: DataDir(), InitBinary: InitBinary(t)}
 }
 
 var tmplMu sync.Mutex

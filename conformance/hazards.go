@@ -1,0 +1,113 @@
+package conformance
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"testing"
+
+	"github.com/cairn-sandbox/cairn/errdefs"
+)
+
+// The hazards of restoring a process tree from a copy rather than from its own past:
+// shared file offsets, pipe buffers, children born after the checkpoint, and leaks over
+// many rollbacks.
+
+func testFileOffset(t *testing.T, h Harness) {
+	id := sandbox(t, h)
+	sh(t, h, id, "printf 0123456789abcdefghij > /workspace/data")
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, `f = open("/workspace/data"); f.read(5)`)
+	ck := checkpoint(t, h, id, "offset-5")
+	want(t, "read after checkpoint", ask(t, h, id, p, `print(f.read(10))`), "56789abcde")
+	rollback(t, h, id, ck)
+	want(t, "offset after rollback", ask(t, h, id, p, `print(f.tell(), f.read(3))`), "5 567")
+}
+
+func testPipeBuffer(t *testing.T, h Harness) {
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, `import os; r, w = os.pipe(); os.write(w, b"unread")`)
+	ck := checkpoint(t, h, id, "pipe-full")
+	want(t, "drain after checkpoint", ask(t, h, id, p, `print(os.read(r, 100))`), "b'unread'")
+	rollback(t, h, id, ck)
+	want(t, "pipe after rollback", ask(t, h, id, p, `print(os.read(r, 100))`), "b'unread'")
+}
+
+func testLateChild(t *testing.T, h Harness) {
+	ctx := context.Background()
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, `import subprocess`)
+	ck := checkpoint(t, h, id, "no-children")
+	late := spawn(t, h, id, "sleep", "1000")
+	ask(t, h, id, p, `kid = subprocess.Popen(["sleep", "999"])`)
+	want(t, "children before rollback", sh(t, h, id, "pgrep -c sleep"), "2\n")
+	rollback(t, h, id, ck)
+	want(t, "children after rollback", sh(t, h, id, "pgrep -c sleep || true"), "0\n")
+	if _, err := h.Engine.Process(ctx, id, late); errdefs.Code(err) != "not_found" {
+		t.Fatalf("process started after the checkpoint is still known after rollback: %v", err)
+	}
+	want(t, "REPL has no child", ask(t, h, id, p, `print("kid" in dir())`), "False")
+}
+
+// testManyRollbacks rolls back to one checkpoint Harness.Stress times and checks that
+// nothing grows: the engine's descriptors and heap, the sandbox trees on the host, the
+// pool's roots and the standby cache.
+func testManyRollbacks(t *testing.T, h Harness) {
+	n := h.Stress
+	if n == 0 {
+		n = 50
+	}
+	ctx := context.Background()
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, "x = 7")
+	ck := checkpoint(t, h, id, "base")
+	measure := func() (fds, trees, roots int, heap uint64) {
+		h.Engine.Quiesce()
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		ents, _ := os.ReadDir("/proc/self/fd")
+		cg, _ := os.ReadDir("/sys/fs/cgroup/freezer/cairn")
+		for _, c := range cg {
+			if c.IsDir() {
+				trees++
+			}
+		}
+		pool, _ := filepath.Glob(filepath.Join(h.Engine.DataDir(), "pool", "roots", id+"-*"))
+		return len(ents), trees, len(pool), ms.HeapAlloc
+	}
+	// Warm up once so caches (SQLite, CRIU's, the standby of ck) are in their steady state.
+	rollback(t, h, id, ck)
+	fds0, trees0, roots0, heap0 := measure()
+	for i := 0; i < n; i++ {
+		if err := h.Engine.Rollback(ctx, id, ck); err != nil {
+			t.Fatalf("rollback %d: %v", i, err)
+		}
+		h.settle()
+		if i%10 == 9 {
+			ask(t, h, id, p, fmt.Sprintf("x += %d", i))
+		}
+	}
+	rollback(t, h, id, ck)
+	want(t, "state after many rollbacks", ask(t, h, id, p, "print(x)"), "7")
+	fds1, trees1, roots1, heap1 := measure()
+	if fds1 > fds0+2 || trees1 > trees0+2 || roots1 > roots0 || heap1 > heap0+8<<20 {
+		t.Fatalf("growth over %d rollbacks: fds %d→%d, sandbox trees %d→%d, roots %d→%d, heap %d→%d",
+			n, fds0, fds1, trees0, trees1, roots0, roots1, heap0, heap1)
+	}
+	ps, _ := h.Engine.Processes(ctx, id)
+	running := 0
+	for _, pr := range ps {
+		if pr.Running {
+			running++
+		}
+	}
+	if running != 1 {
+		t.Fatalf("%d processes running after rollbacks, want the REPL only: %+v", running, ps)
+	}
+}
