@@ -183,6 +183,10 @@ func (s *Server) processOutput(w http.ResponseWriter, r *http.Request) error {
 			}
 		}
 	}
+	only := q.Get("stream")
+	if only != "" && only != client.ChunkStdout && only != client.ChunkStderr {
+		return errdefs.InvalidArgument("stream=%q: give stdout or stderr", only)
+	}
 	return s.sandboxCall(r, follow, func(ctx context.Context, id string) error {
 		h := r.PathValue("handle")
 		if _, err := s.eng.Process(ctx, id, h); err != nil {
@@ -191,6 +195,7 @@ func (s *Server) processOutput(w http.ResponseWriter, r *http.Request) error {
 		n := newNDJSON(w)
 		out := &outWriter{n: n, kind: client.ChunkStdout, skip: offs[0]}
 		errw := &outWriter{n: n, kind: client.ChunkStderr, skip: offs[1]}
+		out.only, errw.only = only, only
 		s.metrics.streams.Inc()
 		defer s.metrics.streams.Dec()
 		var err error
@@ -219,6 +224,9 @@ func (s *Server) processOutput(w http.ResponseWriter, r *http.Request) error {
 // copyOutput writes what a process has output so far.
 func (s *Server) copyOutput(ctx context.Context, id, h string, out, errw *outWriter) error {
 	for _, o := range []*outWriter{out, errw} {
+		if o.only != "" && o.only != o.kind {
+			continue
+		}
 		off := o.skip
 		o.off, o.skip = off, 0
 		for {

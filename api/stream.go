@@ -51,12 +51,16 @@ type outWriter struct {
 	kind  string
 	skip  int64
 	carry []byte
-	off   int64 // offset reached, counting skipped bytes
+	off   int64  // offset reached, counting skipped bytes
+	only  string // if set and not kind, the output is dropped
 }
 
 func (o *outWriter) Write(b []byte) (int, error) {
 	n := len(b)
 	o.off += int64(n)
+	if o.only != "" && o.only != o.kind {
+		return n, nil
+	}
 	if o.skip > 0 {
 		d := min(o.skip, int64(len(b)))
 		b, o.skip = b[d:], o.skip-d

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
-	"math"
 	"net/url"
 	"strconv"
 	"syscall"
@@ -87,17 +86,13 @@ func (c *Client) Follow(ctx context.Context, id, h string, stdout, stderr io.Wri
 // Output reads one output stream ("stdout" or "stderr") from offset on, and returns the
 // bytes and the offset to continue from.
 func (c *Client) Output(ctx context.Context, id, h, stream string, offset int64) ([]byte, int64, error) {
-	q := url.Values{}
+	q := url.Values{"stream": {stream}, stream + "_offset": {strconv.FormatInt(offset, 10)}}
 	var buf bytesWriter
 	var outW, errW io.Writer
 	switch stream {
 	case "stdout":
-		q.Set("stdout_offset", strconv.FormatInt(offset, 10))
-		q.Set("stderr_offset", strconv.FormatInt(math.MaxInt64, 10))
 		outW = &buf
 	case "stderr":
-		q.Set("stderr_offset", strconv.FormatInt(offset, 10))
-		q.Set("stdout_offset", strconv.FormatInt(math.MaxInt64, 10))
 		errW = &buf
 	default:
 		return nil, offset, errdefs.InvalidArgument("stream %q: give stdout or stderr", stream)

@@ -25,11 +25,11 @@ with ` + "`cairn rollback`" + `, fork it with ` + "`cairn fork`" + `, delete it 
   cairn checkpoint --json $id`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			ck, err := e.Checkpoint(cmd.Context(), args[0], opts)
+			ck, err := e.Checkpoint(cmd.Context(), args[0], opts.Label)
 			if err != nil {
 				return err
 			}

@@ -41,18 +41,15 @@ from), oldest first, with their parents; the head is marked with "*".`,
 		Example: "  cairn ckpt ls $id\n  cairn ckpt ls --json $id",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			sb, err := e.Get(cmd.Context(), args[0])
+			tr, err := e.Tree(cmd.Context(), args[0])
 			if err != nil {
 				return err
 			}
-			cks, err := e.Tree(cmd.Context(), sb.ID)
-			if err != nil {
-				return err
-			}
+			cks := tr.Checkpoints
 			if cks == nil {
 				cks = []*model.Checkpoint{}
 			}
@@ -60,7 +57,7 @@ from), oldest first, with their parents; the head is marked with "*".`,
 				t := newTable(w, "ID", "PARENT", "SANDBOX", "LABEL", "CREATED", "IMAGES", "HEAD")
 				for _, c := range cks {
 					head := ""
-					if c.ID == sb.Head {
+					if c.ID == tr.Head {
 						head = "*"
 					}
 					t.row(c.ID, orDash(c.Parent), c.SandboxID, orDash(c.Label), humanTime(c.CreatedAt), humanSize(c.ImageBytes), head)
@@ -79,7 +76,7 @@ func newCkptInspectCmd(a *app) *cobra.Command {
 		Example: "  cairn ckpt inspect $c1",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -105,7 +102,7 @@ resumed from it.`,
 		Example: "  cairn ckpt rm $c2\n  cairn ckpt rm --cascade $c1",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

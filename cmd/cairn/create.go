@@ -3,17 +3,19 @@ package main
 import (
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/spf13/cobra"
 
-	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/client"
 )
 
 func newCreateCmd(a *app) *cobra.Command {
 	var (
-		opts   model.CreateOptions
+		opts   client.CreateRequest
 		labels []string
 		memory string
+		ttl    time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "create [flags]",
@@ -38,7 +40,8 @@ progress is shown on standard error.`,
 					return err
 				}
 			}
-			e, err := a.engine(cmd.Context())
+			opts.TTLSeconds = int64(ttl / time.Second)
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -54,10 +57,14 @@ progress is shown on standard error.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&opts.Template, "template", "", `template to start from (default "debian")`)
-	f.StringVar(&opts.Isolation, "isolation", "", `isolation backend (default "container")`)
+	f.StringVar(&opts.Isolation, "isolation", "", `isolation backend: gvisor or container (default gvisor where runsc is installed)`)
 	f.StringArrayVarP(&labels, "label", "l", nil, "label key=value (repeatable)")
 	f.StringVar(&memory, "memory", "", "memory limit, e.g. 512M or 2G (default unlimited)")
 	f.Int64Var(&opts.Limits.Pids, "pids", 0, "maximum number of processes (default unlimited)")
 	f.Float64Var(&opts.Limits.CPUs, "cpus", 0, "CPU quota in CPUs, e.g. 1.5 (default unlimited)")
+	f.DurationVar(&ttl, "ttl", 0, "time to live, e.g. 30m (cairnd only; default: cairnd --default-ttl)")
+	f.StringVar(&opts.ExpiryPolicy, "expiry", "", "at the end of the TTL: destroy or pause (cairnd only; default destroy)")
+	f.StringVar(&opts.SessionID, "session", "", "session ID (cairnd only; default: a new one)")
+	f.StringVar(&opts.RunID, "run", "", "run ID (cairnd only)")
 	return cmd
 }

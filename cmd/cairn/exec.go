@@ -14,8 +14,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
-	"github.com/cairn-sandbox/cairn/engine"
-	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
@@ -67,16 +66,15 @@ record.`,
 			if err != nil {
 				return err
 			}
-			opts := model.ExecOptions{Args: args[1:], Env: env, Cwd: fl.cwd, Tty: fl.tty}
-			e, err := a.engine(cmd.Context())
+			opts := client.ExecRequest{Args: args[1:], Env: env, Cwd: fl.cwd, Tty: fl.tty}
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
 			if fl.detach {
 				return execDetached(a, cmd, e, args[0], opts)
 			}
-			opts.NoStdin = !fl.interactive
-			return execForeground(a, cmd, e, args[0], opts)
+			return execForeground(a, cmd, e, args[0], opts, fl.interactive)
 		},
 	}
 	f := cmd.Flags()
@@ -105,30 +103,31 @@ func parseEnv(pairs []string) ([]string, error) {
 	return out, nil
 }
 
-func execDetached(a *app, cmd *cobra.Command, e *engine.Engine, id string, opts model.ExecOptions) error {
-	ctx := cmd.Context()
-	h, err := e.Exec(ctx, id, opts)
+func execDetached(a *app, cmd *cobra.Command, e client.Backend, id string, opts client.ExecRequest) error {
+	p, err := e.Spawn(cmd.Context(), id, opts)
 	if err != nil {
 		return err
 	}
 	if !a.json {
-		fmt.Fprintln(cmd.OutOrStdout(), h)
+		fmt.Fprintln(cmd.OutOrStdout(), p.Handle)
 		return nil
-	}
-	p, err := e.Process(ctx, id, h)
-	if err != nil {
-		return err
 	}
 	return printJSON(cmd.OutOrStdout(), p)
 }
 
-func execForeground(a *app, cmd *cobra.Command, e *engine.Engine, id string, opts model.ExecOptions) error {
+// execForeground starts the process, gives it cairn's standard input (interactive) or
+// an empty one, and follows its output to its exit.
+func execForeground(a *app, cmd *cobra.Command, e client.Backend, id string, opts client.ExecRequest, interactive bool) error {
 	ctx := cmd.Context()
-	h, err := e.Exec(ctx, id, opts)
+	p, err := e.Spawn(ctx, id, opts)
 	if err != nil {
 		return err
 	}
-	if !opts.NoStdin {
+	h := p.Handle
+	if !interactive {
+		// A process that already exited refuses the close: nothing to do then.
+		e.Stdin(ctx, id, h, nil, true)
+	} else {
 		if opts.Tty {
 			if restore := rawTerminal(os.Stdin); restore != nil {
 				defer restore()
@@ -167,7 +166,7 @@ func execForeground(a *app, cmd *cobra.Command, e *engine.Engine, id string, opt
 
 // stopProcess ends a foreground process after cairn was interrupted: SIGTERM, then
 // SIGKILL if it is still running two seconds later.
-func stopProcess(ctx context.Context, e *engine.Engine, id, h string) error {
+func stopProcess(ctx context.Context, e client.Backend, id, h string) error {
 	ctx = context.WithoutCancel(ctx)
 	e.Signal(ctx, id, h, syscall.SIGTERM)
 	wctx, cancel := context.WithTimeout(ctx, 2*time.Second)
@@ -180,7 +179,7 @@ func stopProcess(ctx context.Context, e *engine.Engine, id, h string) error {
 }
 
 // pumpStdin copies r to the process's stdin until end of input, then closes it.
-func pumpStdin(ctx context.Context, e *engine.Engine, id, h string, r io.Reader) {
+func pumpStdin(ctx context.Context, e client.Backend, id, h string, r io.Reader) {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := r.Read(buf)

@@ -46,7 +46,7 @@ With --json: {"path", "size", "content"} ("content_base64" if not UTF-8).`,
 		Example: "  cairn files cat $id /etc/hostname",
 		Args:    cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -84,18 +84,12 @@ file's description with --json).`,
 			if err != nil {
 				return err
 			}
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			if err := e.WriteFile(cmd.Context(), args[0], args[1], data, fs.FileMode(perm)); err != nil {
-				return err
-			}
-			if !a.json {
-				return nil
-			}
-			fi, err := e.Stat(cmd.Context(), args[0], args[1])
-			if err != nil {
+			fi, err := e.WriteFile(cmd.Context(), args[0], args[1], data, fs.FileMode(perm))
+			if err != nil || !a.json {
 				return err
 			}
 			return printJSON(cmd.OutOrStdout(), fi)
@@ -119,7 +113,7 @@ func newFilesLsCmd(a *app) *cobra.Command {
 			if len(args) == 2 {
 				p = args[1]
 			}
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -154,7 +148,7 @@ func newFilesStatCmd(a *app) *cobra.Command {
 		Example: "  cairn files stat $id /etc/apt",
 		Args:    cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -178,7 +172,7 @@ func newFilesRmCmd(a *app) *cobra.Command {
 		Example: "  cairn files rm $id /workspace/tmp /workspace/out.log",
 		Args:    cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -5,6 +5,8 @@ import (
 	"io"
 
 	"github.com/spf13/cobra"
+
+	"github.com/cairn-sandbox/cairn/client"
 )
 
 func newForkCmd(a *app) *cobra.Command {
@@ -24,11 +26,11 @@ sandbox's labels and limits.`,
   cairn fork --json --count 2 $c1`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			sbs, err := e.Fork(cmd.Context(), args[0], count)
+			sbs, err := e.Fork(cmd.Context(), args[0], client.ForkRequest{Count: count})
 			if err != nil {
 				return err
 			}

@@ -8,7 +8,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/cairn-sandbox/cairn/engine"
+	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
@@ -27,7 +27,7 @@ With --json: {"kind": "sandbox", "sandbox": {...}, "processes": [...]} or
   cairn inspect --json $id | jq .sandbox.state`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -39,14 +39,14 @@ With --json: {"kind": "sandbox", "sandbox": {...}, "processes": [...]} or
 				if ck, ok := doc["checkpoint"].(*model.Checkpoint); ok {
 					return describeCheckpoint(w, ck)
 				}
-				return describeSandbox(w, doc["sandbox"].(*model.Sandbox), doc["processes"].([]*model.Process))
+				return describeSandbox(w, doc["sandbox"].(*client.Sandbox), doc["processes"].([]*model.Process))
 			})
 		},
 	}
 }
 
 // lookup finds id as a sandbox, else as a checkpoint.
-func lookup(ctx context.Context, e *engine.Engine, id string) (map[string]any, error) {
+func lookup(ctx context.Context, e client.Backend, id string) (map[string]any, error) {
 	sb, err := e.Get(ctx, id)
 	if err == nil {
 		ps, err := e.Processes(ctx, id)
@@ -97,7 +97,7 @@ func limitsString(l model.Sandbox) string {
 	return strings.Join(parts, ", ")
 }
 
-func describeSandbox(w io.Writer, sb *model.Sandbox, ps []*model.Process) error {
+func describeSandbox(w io.Writer, sb *client.Sandbox, ps []*model.Process) error {
 	running := 0
 	for _, p := range ps {
 		if p.Running {
@@ -113,11 +113,14 @@ func describeSandbox(w io.Writer, sb *model.Sandbox, ps []*model.Process) error 
 		"Head", orDash(sb.Head),
 		"Origin", orDash(sb.Origin),
 		"Labels", orDash(labelString(sb.Labels)),
-		"Limits", limitsString(*sb),
+		"Limits", limitsString(sb.Sandbox),
 		"Created", sb.CreatedAt.Local().Format("2006-01-02 15:04:05")+" ("+humanTime(sb.CreatedAt)+")",
 		"Root", sb.Root,
 		"Init pid", fmt.Sprint(sb.Init.Pid),
 		"Processes", fmt.Sprintf("%d (%d running; list them with `cairn ps %s`)", len(ps), running, sb.ID),
+		"Session", orDash(sb.SessionID),
+		"Run", orDash(sb.RunID),
+		"Expires", expiry(sb),
 	)
 }
 
@@ -134,4 +137,12 @@ func describeCheckpoint(w io.Writer, ck *model.Checkpoint) error {
 		"FS volume", ck.FSVolume,
 		"Images", ck.Images,
 	)
+}
+
+// expiry renders a sandbox's TTL ("-" without a daemon).
+func expiry(sb *client.Sandbox) string {
+	if sb.ExpiresAt.IsZero() {
+		return "-"
+	}
+	return sb.ExpiresAt.Local().Format("2006-01-02 15:04:05") + " (" + sb.ExpiryPolicy + ")"
 }

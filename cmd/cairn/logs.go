@@ -7,7 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/cairn-sandbox/cairn/engine"
+	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
@@ -38,7 +38,7 @@ process has exited).`,
 			if fl.onlyOut && fl.onlyErr {
 				return errdefs.InvalidArgument("give at most one of --stdout and --stderr")
 			}
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -52,7 +52,7 @@ process has exited).`,
 	return cmd
 }
 
-func runLogs(a *app, cmd *cobra.Command, e *engine.Engine, id, h string, fl logsFlags) error {
+func runLogs(a *app, cmd *cobra.Command, e client.Backend, id, h string, fl logsFlags) error {
 	ctx := cmd.Context()
 	var outW, errW io.Writer = cmd.OutOrStdout(), cmd.ErrOrStderr()
 	var bufOut, bufErr bytes.Buffer
@@ -92,7 +92,7 @@ func runLogs(a *app, cmd *cobra.Command, e *engine.Engine, id, h string, fl logs
 }
 
 // copyOutput writes a whole output stream of a process to w (nil: checks it exists).
-func copyOutput(ctx context.Context, e *engine.Engine, id, h, stream string, w io.Writer) error {
+func copyOutput(ctx context.Context, e client.Backend, id, h, stream string, w io.Writer) error {
 	var off int64
 	for {
 		b, next, err := e.Output(ctx, id, h, stream, off)

@@ -5,13 +5,14 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/client"
 )
 
 func newLsCmd(a *app) *cobra.Command {
 	var (
-		labels []string
-		quiet  bool
+		labels       []string
+		quiet        bool
+		session, run string
 	)
 	cmd := &cobra.Command{
 		Use:     "ls [flags]",
@@ -29,25 +30,24 @@ label (repeat it to require several); -q prints the IDs only.`,
 			if err != nil {
 				return err
 			}
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			all, err := e.List(cmd.Context())
+			sbs, err := e.List(cmd.Context(), client.ListOptions{Labels: want, Session: session, Run: run})
 			if err != nil {
 				return err
 			}
-			sbs := []*model.Sandbox{}
-			for _, sb := range all {
-				if hasLabels(sb.Labels, want) {
-					sbs = append(sbs, sb)
-				}
+			if sbs == nil {
+				sbs = []*client.Sandbox{}
 			}
 			return emit(a, cmd, sbs, func(w io.Writer) error { return sandboxTable(w, sbs, quiet) })
 		},
 	}
 	cmd.Flags().StringArrayVarP(&labels, "label", "l", nil, "only sandboxes with label key=value (repeatable)")
 	cmd.Flags().BoolVarP(&quiet, "quiet", "q", false, "print sandbox IDs only")
+	cmd.Flags().StringVar(&session, "session", "", "only sandboxes of this session (cairnd only)")
+	cmd.Flags().StringVar(&run, "run", "", "only sandboxes of this run (cairnd only)")
 	return cmd
 }
 
@@ -60,7 +60,7 @@ func hasLabels(have, want map[string]string) bool {
 	return true
 }
 
-func sandboxTable(w io.Writer, sbs []*model.Sandbox, quiet bool) error {
+func sandboxTable(w io.Writer, sbs []*client.Sandbox, quiet bool) error {
 	if quiet {
 		t := newTable(w)
 		for _, sb := range sbs {

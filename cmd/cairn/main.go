@@ -11,10 +11,13 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
@@ -32,6 +35,46 @@ type app struct {
 	started  bool
 	eng      *engine.Engine
 	progress *lazyProgress
+
+	url string         // --url: the daemon to use ("" to detect one)
+	be  client.Backend // the backend in use, once chosen
+}
+
+// backend returns what the commands talk to: cairnd when --url (or $CAIRN_URL) names
+// it, or when a daemon on the default socket serves the same data directory; the
+// engine in process otherwise. One code path either way: the commands only see a
+// client.Backend.
+func (a *app) backend(ctx context.Context) (client.Backend, error) {
+	if a.be != nil {
+		return a.be, nil
+	}
+	if a.url != "" {
+		a.be = client.New(a.url, "")
+		return a.be, nil
+	}
+	sock := envOr("CAIRND_SOCKET", client.DefaultSocket)
+	if _, err := os.Stat(sock); err == nil {
+		c := client.New("unix://"+sock, "")
+		hctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		h, err := c.Health(hctx)
+		cancel()
+		if err == nil && sameDir(h.DataDir, a.dataDir) {
+			a.be = c
+			return c, nil
+		}
+	}
+	e, err := a.engine(ctx)
+	if err != nil {
+		return nil, err
+	}
+	a.be = local{e}
+	return a.be, nil
+}
+
+func sameDir(a, b string) bool {
+	ra, err1 := filepath.EvalSymlinks(a)
+	rb, err2 := filepath.EvalSymlinks(b)
+	return err1 == nil && err2 == nil && ra == rb
 }
 
 // engine opens the engine on first use.
@@ -78,7 +121,9 @@ Commands that create something print its ID as the last line of standard output,
 scripts can capture it with $(...). Every command accepts --json and then prints one
 JSON document on standard output (on failure: {"error":{"code":...,"message":...}}).
 
-cairn needs root (namespaces, cgroups, CRIU, btrfs). State lives in --data-dir.
+cairn needs root (namespaces, cgroups, CRIU, btrfs). State lives in --data-dir. When
+cairnd runs (on /run/cairn/cairnd.sock, serving the same data directory) or --url names
+a daemon, every command goes through its API instead, with the same output.
 
 Exit codes:
   0  success
@@ -117,6 +162,7 @@ func newRootCmd(a *app) *cobra.Command {
 	pf := root.PersistentFlags()
 	pf.StringVar(&a.dataDir, "data-dir", envOr("CAIRN_DATA_DIR", engine.DefaultDataDir), "state directory (env CAIRN_DATA_DIR)")
 	pf.BoolVar(&a.json, "json", false, "print one machine-readable JSON document on stdout")
+	pf.StringVar(&a.url, "url", os.Getenv("CAIRN_URL"), "cairnd to talk to: unix:///path.sock or http://host:port with $CAIRN_TOKEN (default: the local cairnd if it serves --data-dir, else in process; env CAIRN_URL)")
 	pf.StringVar(&a.poolDir, "pool-dir", os.Getenv("CAIRN_POOL_DIR"), "advanced: btrfs pool mount point (default DATA_DIR/pool; env CAIRN_POOL_DIR)")
 	pf.StringVar(&a.poolImage, "pool-image", os.Getenv("CAIRN_POOL_IMAGE"), `advanced: pool image file, "none" to use --pool-dir as is (default DATA_DIR/pool.img; env CAIRN_POOL_IMAGE)`)
 	root.AddCommand(

@@ -3,6 +3,7 @@ package main
 import (
 	"github.com/spf13/cobra"
 
+	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
@@ -24,12 +25,12 @@ Every named sandbox is attempted; the exit code is that of the first failure.`,
 			if all == (len(args) > 0) {
 				return errdefs.InvalidArgument("rm needs sandbox IDs or --all (not both)")
 			}
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
 			if all {
-				sbs, err := e.List(cmd.Context())
+				sbs, err := e.List(cmd.Context(), client.ListOptions{})
 				if err != nil {
 					return err
 				}

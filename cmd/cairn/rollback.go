@@ -20,18 +20,12 @@ fork it instead. Prints nothing (the sandbox record with --json).`,
   cairn rollback --json $id $c1`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			if err := e.Rollback(cmd.Context(), args[0], args[1]); err != nil {
-				return err
-			}
-			if !a.json {
-				return nil
-			}
-			sb, err := e.Get(cmd.Context(), args[0])
-			if err != nil {
+			sb, err := e.Rollback(cmd.Context(), args[0], args[1])
+			if err != nil || !a.json {
 				return err
 			}
 			return printJSON(cmd.OutOrStdout(), sb)

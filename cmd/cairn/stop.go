@@ -14,18 +14,12 @@ checkpoint are lost then). Prints nothing (the sandbox record with --json).`,
 		Example: "  cairn checkpoint $id && cairn stop $id\n  cairn resume $id",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			if err := e.Stop(cmd.Context(), args[0]); err != nil {
-				return err
-			}
-			if !a.json {
-				return nil
-			}
-			sb, err := e.Get(cmd.Context(), args[0])
-			if err != nil {
+			sb, err := e.Stop(cmd.Context(), args[0])
+			if err != nil || !a.json {
 				return err
 			}
 			return printJSON(cmd.OutOrStdout(), sb)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/template"
@@ -45,7 +46,7 @@ func newTemplateLsCmd(a *app) *cobra.Command {
 		Example: "  cairn template ls\n  cairn template ls --json",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -69,11 +70,15 @@ func newTemplateLsCmd(a *app) *cobra.Command {
 
 // buildTemplate builds spec and prints the template (its name as the last line).
 func buildTemplate(a *app, cmd *cobra.Command, spec template.Spec) error {
-	e, err := a.engine(cmd.Context())
+	e, err := a.backend(cmd.Context())
 	if err != nil {
 		return err
 	}
-	t, err := e.BuildTemplate(cmd.Context(), spec)
+	req := client.TemplateRequest{Name: spec.Name, Dir: spec.Dir, OCI: spec.OCI}
+	if d := spec.Debian; d != nil {
+		req.Debian = &client.DebianSource{Suite: d.Suite, Variant: d.Variant, Packages: d.Packages, Mirror: d.Mirror}
+	}
+	t, err := e.BuildTemplate(cmd.Context(), req)
 	if err != nil {
 		return err
 	}
@@ -146,7 +151,7 @@ are unaffected (their roots are independent snapshots).`,
 		Example: "  cairn template rm py",
 		Args:    cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

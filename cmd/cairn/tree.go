@@ -6,6 +6,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/engine/model"
 )
 
@@ -25,29 +26,26 @@ first]}; each record names its parent.`,
   cairn tree --json $id | jq -r '.checkpoints[].id'`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
-			sb, err := e.Get(cmd.Context(), args[0])
+			tr, err := e.Tree(cmd.Context(), args[0])
 			if err != nil {
 				return err
 			}
-			cks, err := e.Tree(cmd.Context(), sb.ID)
-			if err != nil {
-				return err
+			if tr.Checkpoints == nil {
+				tr.Checkpoints = []*model.Checkpoint{}
 			}
-			if cks == nil {
-				cks = []*model.Checkpoint{}
-			}
-			doc := map[string]any{"sandbox": sb.ID, "head": sb.Head, "checkpoints": cks}
-			return emit(a, cmd, doc, func(w io.Writer) error { return drawTree(w, sb, cks) })
+			return emit(a, cmd, tr, func(w io.Writer) error { return drawTree(w, tr) })
 		},
 	}
 }
 
 // drawTree prints the checkpoints as an ASCII tree, parents before children.
-func drawTree(w io.Writer, sb *model.Sandbox, cks []*model.Checkpoint) error {
+func drawTree(w io.Writer, tr *client.Tree) error {
+	cks := tr.Checkpoints
+	sb := struct{ ID, Head string }{tr.Sandbox, tr.Head}
 	if len(cks) == 0 {
 		_, err := fmt.Fprintf(w, "sandbox %s has no checkpoints yet (take one with `cairn checkpoint %s`)\n", sb.ID, sb.ID)
 		return err
