@@ -72,17 +72,16 @@ func testManyRollbacks(t *testing.T, h Harness) {
 		var ms runtime.MemStats
 		runtime.ReadMemStats(&ms)
 		ents, _ := os.ReadDir("/proc/self/fd")
-		cg, _ := os.ReadDir("/sys/fs/cgroup/freezer/cairn")
-		for _, c := range cg {
-			if c.IsDir() {
-				trees++
-			}
-		}
+		// Trees of this sandbox: its root generations' cgroups, and its standbys.
+		gens, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup/freezer/cairn", id+"-*"))
+		standbys, _ := h.Engine.StandbyCount(ctx, ck)
 		pool, _ := filepath.Glob(filepath.Join(h.Engine.DataDir(), "pool", "roots", id+"-*"))
-		return len(ents), trees, len(pool), ms.HeapAlloc
+		return len(ents), len(gens) + standbys, len(pool), ms.HeapAlloc
 	}
-	// Warm up once so caches (SQLite, CRIU's, the standby of ck) are in their steady state.
-	rollback(t, h, id, ck)
+	// Warm up so caches (SQLite's connections, the standby of ck) reach their steady state.
+	for i := 0; i < 20; i++ {
+		rollback(t, h, id, ck)
+	}
 	fds0, trees0, roots0, heap0 := measure()
 	for i := 0; i < n; i++ {
 		if err := h.Engine.Rollback(ctx, id, ck); err != nil {
@@ -96,7 +95,9 @@ func testManyRollbacks(t *testing.T, h Harness) {
 	rollback(t, h, id, ck)
 	want(t, "state after many rollbacks", ask(t, h, id, p, "print(x)"), "7")
 	fds1, trees1, roots1, heap1 := measure()
-	if fds1 > fds0+2 || trees1 > trees0+2 || roots1 > roots0 || heap1 > heap0+8<<20 {
+	// Bounds, not equalities: whether the last rollback took the standby path or the
+	// restore path changes which root and cgroup the sandbox runs on, not their number.
+	if fds1 > fds0+2 || trees1 > 3 || roots1 > 1 || heap1 > heap0+8<<20 {
 		t.Fatalf("growth over %d rollbacks: fds %d→%d, sandbox trees %d→%d, roots %d→%d, heap %d→%d",
 			n, fds0, fds1, trees0, trees1, roots0, roots1, heap0, heap1)
 	}

@@ -9,8 +9,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
+	"time"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v8"
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
@@ -69,33 +72,85 @@ type DumpOptions struct {
 	Pid          int    // host PID of the tree's root
 	ImagesDir    string // exists, empty
 	FreezeCgroup string // freezer cgroup path of the tree (already frozen or not)
-	// NetNS is the inode of the tree's network namespace, declared external: CRIU then
-	// does not dump the namespace itself (links, routes, iptables and sysctls cost ~45 ms
-	// of external tools per dump), only the sockets in it; Restore is given a new one.
-	NetNS uint64
+	// NetNS is the path of the tree's network namespace (e.g. /proc/PID/ns/net). CRIU
+	// runs inside it, so it sees the namespace as its own and does not dump it — links,
+	// routes, iptables and sysctls cost ~30-45 ms of external tools per dump; only the
+	// sockets are dumped. Restore runs CRIU in a fresh namespace for the tree.
+	NetNS string
 }
-
-// netKey names the external network namespace in images.
-const netKey = "cairn-net"
 
 // RestoreOptions are the options of a restore.
 type RestoreOptions struct {
 	ImagesDir string
 	WorkDir   string // per-restore scratch (logs); images may be shared by concurrent restores
 	KeepLog   string // where to keep CRIU's log if the restore fails (the work dir is removed)
+	Root      string // mount point of the new root filesystem
+	// NetNS is the path of the network namespace to restore the tree into.
+	NetNS string
+	// Cgroups are the cgroup.procs files CRIU joins before it forks the tree, so the tree
+	// is born in (and its memory charged to) the sandbox's cgroups. cairn manages cgroups
+	// itself: CRIU's own cgroup handling (walking and mounting every hierarchy) is off.
+	Cgroups []string
 	// LeaveStopped leaves every restored task stopped (SIGSTOP) instead of running.
 	LeaveStopped bool
-	Root         string // mount point of the new root filesystem
-	// NetNS is the network namespace to restore the tree into (see DumpOptions.NetNS).
-	NetNS *os.File
-	// CgroupRoot maps the tree's cgroups to this path in each of Controllers.
-	CgroupRoot  string
-	Controllers []string
+}
+
+// logLevel is CRIU's log verbosity: 2 (errors and warnings) unless $CAIRN_CRIU_LOG_LEVEL
+// asks for more when investigating.
+func logLevel() *int32 {
+	if v, err := strconv.Atoi(os.Getenv("CAIRN_CRIU_LOG_LEVEL")); err == nil && v >= 0 && v <= 4 {
+		return i32(int32(v))
+	}
+	return i32(2)
 }
 
 func b(v bool) *bool       { return &v }
 func i32(v int32) *int32   { return &v }
 func str(v string) *string { return &v }
+
+// launcher writes a script that starts CRIU inside netns (if set) after joining cgroups,
+// and returns its path and a cleanup. go-criu starts "<path> swrk <fd>"; a per-call
+// script is how a call gets its own namespace and cgroups without touching the caller.
+func launcher(criu, netns, errlog string, cgroups []string) (string, func(), error) {
+	var sb strings.Builder
+	sb.WriteString("#!/bin/sh\n")
+	fmt.Fprintf(&sb, "exec 2>>%q\n", errlog)
+	for _, cg := range cgroups {
+		fmt.Fprintf(&sb, "echo $$ > %q || exit 1\n", cg)
+	}
+	if netns != "" {
+		fmt.Fprintf(&sb, "exec nsenter --net=%q %q \"$@\"\n", netns, criu)
+	} else {
+		fmt.Fprintf(&sb, "exec %q \"$@\"\n", criu)
+	}
+	f, err := os.CreateTemp("", "cairn-criu-*.sh")
+	if err != nil {
+		return "", nil, err
+	}
+	defer f.Close()
+	if _, err := f.WriteString(sb.String()); err != nil {
+		os.Remove(f.Name())
+		return "", nil, err
+	}
+	if err := f.Chmod(0o700); err != nil {
+		os.Remove(f.Name())
+		return "", nil, err
+	}
+	return f.Name(), func() { os.Remove(f.Name()) }, nil
+}
+
+// retryBusy runs f again while starting the launcher fails with ETXTBSY: a child forked
+// by another goroutine may briefly hold the script's write descriptor (golang/go#22315).
+// A failed start has no side effects.
+func retryBusy(f func() error) error {
+	for i := 0; ; i++ {
+		err := f()
+		if err == nil || i == 20 || !errors.Is(err, syscall.ETXTBSY) && !strings.Contains(err.Error(), "text file busy") {
+			return err
+		}
+		time.Sleep(time.Duration(i+1) * time.Millisecond)
+	}
+}
 
 // Dump checkpoints the tree rooted at opts.Pid, leaving it running.
 func Dump(ctx context.Context, opts DumpOptions) error {
@@ -117,20 +172,23 @@ func Dump(ctx context.Context, opts DumpOptions) error {
 		// (its client sees a reset) rather than failing the checkpoint.
 		TcpSkipInFlight: b(true),
 		FileLocks:       b(true),
-		ManageCgroups:   b(true),
-		LogLevel:        i32(2),
+		LogLevel:        logLevel(),
 		LogFile:         str("dump.log"),
 		NetworkLock:     rpc.CriuNetworkLockMethod_SKIP.Enum(),
 	}
+	ignore := rpc.CriuCgMode_IGNORE
+	ro.ManageCgroupsMode = &ignore
 	if opts.FreezeCgroup != "" {
 		ro.FreezeCgroup = str(opts.FreezeCgroup)
 	}
-	if opts.NetNS != 0 {
-		ro.External = []string{fmt.Sprintf("net[%d]:%s", opts.NetNS, netKey)}
+	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.ImagesDir, "launch.log"), nil)
+	if err != nil {
+		return err
 	}
+	defer cleanup()
 	c := gocriu.MakeCriu()
-	c.SetCriuPath(path)
-	if err := c.Dump(ro, gocriu.NoNotify{}); err != nil {
+	c.SetCriuPath(run)
+	if err := retryBusy(func() error { return c.Dump(ro, gocriu.NoNotify{}) }); err != nil {
 		return explain("dump", err, filepath.Join(opts.ImagesDir, "dump.log"))
 	}
 	return nil
@@ -165,31 +223,31 @@ func Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		Root:           str(opts.Root),
 		TcpEstablished: b(true),
 		FileLocks:      b(true),
-		ManageCgroups:  b(true),
-		LogLevel:       i32(2),
+		LogLevel:       logLevel(),
 		LogFile:        str("restore.log"),
 		NetworkLock:    rpc.CriuNetworkLockMethod_SKIP.Enum(),
 	}
+	ignore := rpc.CriuCgMode_IGNORE
+	ro.ManageCgroupsMode = &ignore
 	if opts.LeaveStopped {
 		ro.LeaveStopped = b(true)
 	}
-	mode := rpc.CriuCgMode_SOFT
-	ro.ManageCgroupsMode = &mode
-	if opts.CgroupRoot != "" {
-		for _, c := range opts.Controllers {
-			ro.CgRoot = append(ro.CgRoot, &rpc.CgroupRoot{Ctrl: str(c), Path: str(opts.CgroupRoot)})
-		}
+	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.WorkDir, "launch.log"), opts.Cgroups)
+	if err != nil {
+		return 0, err
 	}
+	defer cleanup()
 	c := gocriu.MakeCriu()
-	c.SetCriuPath(path)
-	if opts.NetNS != nil {
-		c.AddInheritFd(netKey, opts.NetNS)
-	}
+	c.SetCriuPath(run)
 	n := &restoreNotify{}
-	if err := c.Restore(ro, n); err != nil {
+	if err := retryBusy(func() error { return c.Restore(ro, n) }); err != nil {
 		log := filepath.Join(opts.WorkDir, "restore.log")
 		if opts.KeepLog != "" {
-			if b, rerr := os.ReadFile(log); rerr == nil && os.WriteFile(opts.KeepLog, b, 0o600) == nil {
+			b, _ := os.ReadFile(filepath.Join(opts.WorkDir, "launch.log"))
+			if b2, rerr := os.ReadFile(log); rerr == nil {
+				b = append(b, b2...)
+			}
+			if len(b) > 0 && os.WriteFile(opts.KeepLog, b, 0o600) == nil {
 				log = opts.KeepLog
 			}
 		}
@@ -211,12 +269,15 @@ func explain(op string, err error, log string) error {
 		if strings.Contains(l, "RLIMIT_NOFILE") {
 			continue
 		}
-		if strings.Contains(l, "Error") || strings.Contains(l, "error") {
+		if strings.Contains(l, "Error") || strings.Contains(l, "error") || strings.HasPrefix(l, "nsenter") || strings.Contains(l, ".sh:") {
 			errs = append(errs, strings.TrimSpace(l))
 		}
 	}
 	if len(errs) > 4 {
 		errs = errs[len(errs)-4:]
+	}
+	if len(errs) == 0 {
+		errs = append(errs, err.Error())
 	}
 	return errdefs.FailedPrecondition("criu %s failed: %s (full log: %s)", op, strings.Join(errs, " | "), log)
 }

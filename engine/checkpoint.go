@@ -218,7 +218,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 		return err
 	} else if ok {
 		e.retire(b, &old)
-		e.refill(ck, 1)
+		e.refillIfNone(ctx, ck)
 		return nil
 	}
 	newRoot := rootVolume(id)
@@ -315,7 +315,7 @@ func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sa
 	if ok, err := e.takeStandby(ctx, sb, ck, identity); err != nil {
 		return nil, err
 	} else if ok {
-		e.refill(ck, 1)
+		e.refillIfNone(ctx, ck)
 		return sb, nil
 	}
 	if err := e.pool.Snapshot(ctx, ck.FSVolume, sb.Root, false); err != nil {

@@ -79,6 +79,8 @@ type Engine struct {
 	bgMu sync.Mutex
 	// bgStats counts background work; protected by bgMu.
 	bgStats Stats
+	// pending counts standbys being prepared, by checkpoint; protected by bgMu.
+	pending map[string]int
 }
 
 // Open opens (creating on first use) the data directory and its pool.
@@ -126,7 +128,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}}
+	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}}
 	if err := criu.UseKdatCache(filepath.Join(cfg.DataDir, "criu")); err != nil {
 		return nil, err
 	}

@@ -209,12 +209,22 @@ func (e *Engine) discard(ctx context.Context, s *store.Standby) {
 	e.pool.Delete(ctx, s.Root)
 }
 
-// refill prepares standbys of ck in the background, up to Config.Standbys.
+// refill prepares n standbys of ck in the background.
 func (e *Engine) refill(ck *model.Checkpoint, n int) {
 	if e.cfg.Standbys <= 0 || n <= 0 {
 		return
 	}
+	e.bgMu.Lock()
+	e.pending[ck.ID] += n
+	e.bgMu.Unlock()
 	e.background(func(ctx context.Context) {
+		defer func() {
+			e.bgMu.Lock()
+			if e.pending[ck.ID] -= n; e.pending[ck.ID] <= 0 {
+				delete(e.pending, ck.ID)
+			}
+			e.bgMu.Unlock()
+		}()
 		for i := 0; i < n; i++ {
 			if err := e.prepareStandby(ctx, ck); err != nil {
 				e.cfg.Logf("standby of checkpoint %s: %v", ck.ID, err)
@@ -227,7 +237,10 @@ func (e *Engine) refill(ck *model.Checkpoint, n int) {
 // refillIfNone prepares a standby of ck in the background unless one exists: after a
 // rollback or fork that found none, the next one to the same checkpoint is likely.
 func (e *Engine) refillIfNone(ctx context.Context, ck *model.Checkpoint) {
-	if l, err := e.db.StandbysOf(ctx, ck.ID); err == nil && len(l) == 0 {
+	e.bgMu.Lock()
+	pending := e.pending[ck.ID]
+	e.bgMu.Unlock()
+	if l, err := e.db.StandbysOf(ctx, ck.ID); err == nil && len(l)+pending == 0 {
 		e.refill(ck, 1)
 	}
 }
@@ -287,3 +300,9 @@ func (e *Engine) recoverStandbys(ctx context.Context) {
 // of replaced trees) is done. Benchmarks and tests use it to measure or exercise the
 // warm path; nothing else needs it.
 func (e *Engine) Quiesce() { e.bgWG.Wait() }
+
+// StandbyCount returns how many standbys of a checkpoint are ready.
+func (e *Engine) StandbyCount(ctx context.Context, checkpointID string) (int, error) {
+	l, err := e.db.StandbysOf(ctx, checkpointID)
+	return len(l), err
+}

@@ -15,14 +15,14 @@ import (
 // cgroupRoot is where the v1 controllers are mounted on this machine kind (hybrid mode).
 var cgroupRoot = "/sys/fs/cgroup"
 
-// hierarchy is a v1 cgroup hierarchy: the controller name CRIU knows it by, and the
-// directory it is mounted on under cgroupRoot.
+// hierarchy is a v1 cgroup hierarchy: its controller name, and the directory it is
+// mounted on under cgroupRoot.
 type hierarchy struct{ ctrl, dir string }
 
 // hierarchies a sandbox gets a cgroup in: every v1 hierarchy of this machine kind, so
-// that the sandbox's cgroup namespace is rooted at its own cgroup everywhere and CRIU
-// dumps only the sandbox's cgroups (in the host's root cgroup it would walk them all).
-// memory, pids and cpu carry the limits; the freezer stops the tree for a checkpoint.
+// that the sandbox's cgroup namespace is rooted at its own cgroup everywhere and nothing
+// inside can see or reach the host's cgroups. memory, pids and cpu carry the limits; the
+// freezer stops the tree for a checkpoint.
 var hierarchies = []hierarchy{
 	{"memory", "memory"}, {"pids", "pids"}, {"cpu", "cpu"}, {"cpuacct", "cpuacct"},
 	{"cpuset", "cpuset"}, {"devices", "devices"}, {"freezer", "freezer"}, {"blkio", "blkio"},
@@ -40,11 +40,12 @@ func present() []hierarchy {
 	return out
 }
 
-// controllerNames are the names CRIU maps to a sandbox's cgroup on restore.
-func controllerNames() []string {
+// procsFiles are the cgroup.procs files of a sandbox's cgroups: a process that writes
+// its PID to each joins the sandbox (CRIU does, before it forks a restored tree).
+func procsFiles(id string) []string {
 	var out []string
 	for _, h := range present() {
-		out = append(out, h.ctrl)
+		out = append(out, filepath.Join(ctrlDir(h.dir, id), "cgroup.procs"))
 	}
 	return out
 }

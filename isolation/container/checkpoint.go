@@ -39,17 +39,13 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 			return err
 		}
 	}
-	var st unix.Stat_t
-	if err := unix.Stat(fmt.Sprintf("/proc/%d/ns/net", sb.Init.Pid), &st); err != nil {
-		return fmt.Errorf("network namespace of sandbox %s: %w", sb.ID, err)
-	}
 	t = time.Now()
 	defer hooks.Report("dump", t)
 	return criu.Dump(ctx, criu.DumpOptions{
 		Pid:          sb.Init.Pid,
 		ImagesDir:    dir,
 		FreezeCgroup: ctrlDir("freezer", sb.CgroupName()),
-		NetNS:        st.Ino,
+		NetNS:        fmt.Sprintf("/proc/%d/ns/net", sb.Init.Pid),
 	})
 }
 
@@ -96,14 +92,13 @@ func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string
 	}
 	defer netns.Close()
 	pid, rerr := criu.Restore(ctx, criu.RestoreOptions{
-		NetNS:        netns,
+		NetNS:        fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), netns.Fd()),
+		Cgroups:      procsFiles(sb.CgroupName()),
 		ImagesDir:    dir,
 		KeepLog:      filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),
 		LeaveStopped: frozen,
 		WorkDir:      work,
 		Root:         sb.Root,
-		CgroupRoot:   cgroupPath(sb.CgroupName()),
-		Controllers:  controllerNames(),
 	})
 	unix.Unmount(sb.Root, unix.MNT_DETACH)
 	if rerr != nil {
