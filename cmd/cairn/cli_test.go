@@ -11,11 +11,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -24,7 +26,13 @@ import (
 	"github.com/cairn-sandbox/cairn/internal/testenv"
 )
 
-var cairnBin string
+var (
+	cairnBin string
+	binDir   string
+	// extraEnv is added to the environment of every cairn run (CAIRN_URL for the
+	// scenario against a live cairnd).
+	extraEnv []string
+)
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "cairn-cli-test-")
@@ -32,7 +40,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	for _, pkg := range []string{"cairn", "cairn-init"} {
+	for _, pkg := range []string{"cairn", "cairn-init", "cairnd"} {
 		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, pkg), "./cmd/"+pkg)
 		cmd.Dir = testenv.RepoRoot()
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
@@ -42,7 +50,7 @@ func TestMain(m *testing.M) {
 			os.Exit(1)
 		}
 	}
-	cairnBin = filepath.Join(dir, "cairn")
+	cairnBin, binDir = filepath.Join(dir, "cairn"), dir
 	importLocalTemplate()
 	code := m.Run()
 	os.RemoveAll(dir)
@@ -100,6 +108,7 @@ func runCairn(stdin string, args ...string) result {
 		}
 	}
 	cmd.Env = append(cmd.Env, "CAIRN_DATA_DIR="+testenv.DataDir())
+	cmd.Env = append(cmd.Env, extraEnv...)
 	cmd.Stdin = strings.NewReader(stdin)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
@@ -142,6 +151,9 @@ var idRE = regexp.MustCompile(`^[a-z0-9]+$`)
 // newSandbox creates a sandbox removed at the end of the test.
 func newSandbox(t *testing.T, args ...string) string {
 	t.Helper()
+	if iso := os.Getenv("CAIRN_TEST_ISOLATION"); iso != "" {
+		args = append(args, "--isolation", iso)
+	}
 	id := ok(t, append([]string{"create"}, args...)...).lastLine()
 	if !idRE.MatchString(id) {
 		t.Fatalf("create printed %q, not an ID", id)
@@ -167,10 +179,66 @@ func waitStdout(t *testing.T, id, p string, ok func(string) bool) string {
 	return ""
 }
 
-// TestScenario is the REPL scenario of the issue, end to end through the binary.
+// TestScenario is the REPL scenario of the issue, end to end through the binary (the
+// engine in process).
 func TestScenario(t *testing.T) {
 	testenv.Require(t)
+	scenario(t)
+}
+
+// TestScenarioDaemon is the same scenario with every command going through a live
+// cairnd ($CAIRN_URL): same verbs, same output.
+func TestScenarioDaemon(t *testing.T) {
+	testenv.Require(t)
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "cairnd.sock")
+	logf, err := os.Create(filepath.Join(dir, "cairnd.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := exec.Command(filepath.Join(binDir, "cairnd"), "--data-dir", testenv.DataDir(), "--socket", sock)
+	d.Stdout, d.Stderr = logf, logf
+	if err := d.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.Process.Signal(syscall.SIGTERM)
+		d.Wait()
+		if t.Failed() {
+			b, _ := os.ReadFile(logf.Name())
+			t.Logf("cairnd log:\n%s", b)
+		}
+	})
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		if c, err := net.Dial("unix", sock); err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("cairnd did not listen within a minute")
+		}
+	}
+	extraEnv = []string{"CAIRN_URL=unix://" + sock}
+	t.Cleanup(func() { extraEnv = nil })
+	id := scenario(t)
+	_ = id
+}
+
+// scenario runs the issue's REPL scenario and returns the (removed) sandbox's ID.
+func scenario(t *testing.T) string {
 	id := newSandbox(t)
+	if extraEnv != nil {
+		// Through cairnd, sandboxes carry a session.
+		var doc struct {
+			Sandbox struct {
+				SessionID string `json:"session_id"`
+			} `json:"sandbox"`
+		}
+		decodeOne(t, ok(t, "--json", "inspect", id).stdout, &doc)
+		if doc.Sandbox.SessionID == "" {
+			t.Fatalf("cairn inspect did not go through cairnd (no session)")
+		}
+	}
 	if r := ok(t, "exec", id, "--", "python3", "-c", "print(1)"); r.stdout != "1\n" {
 		t.Fatalf("exec print(1): %s", r)
 	}
@@ -221,6 +289,7 @@ func TestScenario(t *testing.T) {
 		t.Fatalf("rm printed %q", got)
 	}
 	wantCode(t, cairn(t, "inspect", id), 3, "inspect removed sandbox")
+	return id
 }
 
 // decodeOne parses s as exactly one JSON document.

@@ -7,6 +7,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/cairn-sandbox/cairn/client"
+	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
 func newForkCmd(a *app) *cobra.Command {
@@ -26,6 +27,9 @@ sandbox's labels and limits.`,
   cairn fork --json --count 2 $c1`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if count < 1 || count > 256 {
+				return errdefs.InvalidArgument("fork count %d: give 1 to 256", count)
+			}
 			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
