@@ -33,6 +33,7 @@ import (
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container"
+	"github.com/cairn-sandbox/cairn/isolation/gvisor"
 	"github.com/cairn-sandbox/cairn/storage"
 	"github.com/cairn-sandbox/cairn/storage/btrfs"
 	"github.com/cairn-sandbox/cairn/store"
@@ -137,6 +138,11 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	} else {
 		e.backends["container"] = unavailable{name: "container", err: err}
 	}
+	if gb, err := gvisor.New(cfg.InitBinary, filepath.Join(cfg.DataDir, "runsc")); err == nil {
+		e.backends["gvisor"] = gb
+	} else {
+		e.backends["gvisor"] = unavailable{name: "gvisor", err: err}
+	}
 	if err := e.recover(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("recovery: %w", err)
@@ -168,6 +174,16 @@ func findInit() string {
 		}
 	}
 	return "/usr/local/bin/cairn-init"
+}
+
+// DefaultIsolation is the backend Create uses when none is named: gVisor, the stronger
+// boundary (a user-space kernel between the sandbox and the host), where runsc is
+// installed; the container backend otherwise.
+func (e *Engine) DefaultIsolation() string {
+	if _, ok := e.backends["gvisor"].(unavailable); ok {
+		return "container"
+	}
+	return "gvisor"
 }
 
 func (e *Engine) backend(name string) (isolation.Backend, error) {

@@ -2,12 +2,14 @@ package engine
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path"
 	"path/filepath"
 	"strings"
 
 	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/isolation"
 )
 
 // recover brings the data directory back to a consistent state after a crash: it thaws
@@ -25,6 +27,12 @@ func (e *Engine) recover(ctx context.Context) error {
 		if sb.State == model.StateRunning {
 			if unlock, ok := e.tryLock(sb.ID); ok {
 				thawIfFrozen(path.Base(sb.Root))
+				if r, ok := e.backends[sb.Isolation].(Recoverer); ok {
+					if err := r.Recover(ctx, e.isb(sb)); err != nil {
+						unlock()
+						return fmt.Errorf("sandbox %s: %w", sb.ID, err)
+					}
+				}
 				unlock()
 			}
 		}
@@ -32,6 +40,14 @@ func (e *Engine) recover(ctx context.Context) error {
 	e.recoverStandbys(ctx)
 	_, err = e.sweep(ctx, false)
 	return err
+}
+
+// Recoverer is an optional ability of an isolation backend: undoing what a checkpoint
+// that died halfway left behind in a running sandbox (gVisor: a paused sandbox, which no
+// cgroup freezer shows). Recover is called under the sandbox's lock at engine start, so
+// it must cost nothing when there is nothing to undo.
+type Recoverer interface {
+	Recover(ctx context.Context, sb *isolation.Sandbox) error
 }
 
 // thawIfFrozen thaws a sandbox (by cgroup name) whose checkpoint died between freeze

@@ -19,7 +19,7 @@ func (e *Engine) Create(ctx context.Context, opts model.CreateOptions) (*model.S
 		opts.Template = DefaultTemplate
 	}
 	if opts.Isolation == "" {
-		opts.Isolation = "container"
+		opts.Isolation = e.DefaultIsolation()
 	}
 	if err := validLimits(opts.Limits); err != nil {
 		return nil, err

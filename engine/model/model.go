@@ -66,7 +66,7 @@ type Template struct {
 // CreateOptions are the options of Create.
 type CreateOptions struct {
 	Template  string // default "debian"
-	Isolation string // default "container"
+	Isolation string // default: "gvisor" where runsc is installed, else "container"
 	Labels    map[string]string
 	Limits    isolation.Limits
 }
