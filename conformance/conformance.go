@@ -52,6 +52,7 @@ func Run(t *testing.T, h Harness) {
 		{"TreeDiffDelete", testTreeDiffDelete},
 		{"StoppedAndResume", testResume},
 		{"ExecSemantics", testExec},
+		{"Escape", testEscape},
 		{"FileOffset", testFileOffset},
 		{"PipeBuffer", testPipeBuffer},
 		{"LateChild", testLateChild},

@@ -111,6 +111,9 @@ func mountAll(root string) error {
 			return fmt.Errorf("mount %s on /%s: %w", m.fstype, m.dst, err)
 		}
 	}
+	if err := readonlyProc(filepath.Join(root, "proc")); err != nil {
+		return err
+	}
 	if err := unix.Chdir(root); err != nil {
 		return err
 	}
@@ -123,6 +126,30 @@ func mountAll(root string) error {
 		return fmt.Errorf("detach old root: %w", err)
 	}
 	return unix.Chdir("/")
+}
+
+// readonlyProcPaths are the parts of /proc that reach the host kernel as a whole rather
+// than the sandbox's namespaces: the sandbox shares the host's kernel and runs as its
+// uid 0, so without this it could write host-wide sysctls (kernel.core_pattern names a
+// program the host runs as root; vm.drop_caches, kernel.panic). runc's readonlyPaths.
+var readonlyProcPaths = []string{"sys", "sysrq-trigger", "irq", "bus", "fs"}
+
+// readonlyProc bind-mounts each of readonlyProcPaths onto itself read-only.
+func readonlyProc(proc string) error {
+	for _, p := range readonlyProcPaths {
+		dst := filepath.Join(proc, p)
+		if _, err := os.Lstat(dst); err != nil {
+			continue
+		}
+		if err := unix.Mount(dst, dst, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind /proc/%s: %w", p, err)
+		}
+		flags := uintptr(unix.MS_BIND | unix.MS_REMOUNT | unix.MS_RDONLY | unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC)
+		if err := unix.Mount("", dst, "", flags, ""); err != nil {
+			return fmt.Errorf("make /proc/%s read-only: %w", p, err)
+		}
+	}
+	return nil
 }
 
 // makeDevices makes sure the root's /dev has the usual nodes and links (imported trees
