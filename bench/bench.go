@@ -23,10 +23,12 @@ import (
 
 // Options configure Run.
 type Options struct {
-	Workload   string    // "w1" (the only one so far)
-	Iterations int       // steps/checkpoints (default 20)
-	Baselines  bool      // also run the runc_btrfs and copytree baselines
-	Progress   io.Writer // one line per phase; nil for silence
+	Workload   string // "w1" (the only one so far)
+	Iterations int    // steps/checkpoints (default 20)
+	Baselines  bool   // also run the runc_btrfs and copytree baselines
+	// Isolation lists the backends to measure, side by side (default: container).
+	Isolation []string
+	Progress  io.Writer // one line per phase; nil for silence
 }
 
 // Report is the result of a run. Times are milliseconds, sizes bytes.
@@ -65,6 +67,9 @@ type Report struct {
 	Ratios map[string]Ratios `json:"ratios,omitempty"`
 
 	Correctness Correctness `json:"correctness"`
+
+	// Backends holds each measured backend's figures by isolation name.
+	Backends map[string]*BackendReport `json:"backends,omitempty"`
 }
 
 // BaselineReport is one baseline's measurements, or why it could not run.
@@ -107,6 +112,8 @@ type runner struct {
 	w          *w1
 	rng        *rand.Rand
 	ckMS, rbMS []float64
+	iso        string               // isolation backend of the sandboxes created
+	phases     map[string][]float64 // checkpoint phase timings, by phase
 }
 
 func (b *runner) phase(format string, args ...any) {
@@ -127,24 +134,17 @@ func Run(ctx context.Context, e *engine.Engine, opts Options) (*Report, error) {
 	if opts.Iterations < 1 {
 		return nil, errdefs.InvalidArgument("iterations %d: give at least 1", opts.Iterations)
 	}
-	b := &runner{e: e, opts: opts, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)),
-		rep: &Report{Workload: opts.Workload, Iterations: opts.Iterations, StartedAt: time.Now().UTC()}}
-	b.rep.Machine = machineInfo()
-	err := b.runW1(ctx)
-	b.rep.CheckpointMS = summarize(b.ckMS)
-	b.rep.RollbackMS = summarize(b.rbMS)
-	b.rep.DurationS = time.Since(b.rep.StartedAt).Seconds()
-	if err != nil {
-		return b.rep, err
+	if len(opts.Isolation) == 0 {
+		opts.Isolation = []string{"container"}
 	}
-	return b.rep, nil
+	return runBackends(ctx, e, opts)
 }
 
 // runW1 sets W1 up, runs every measurement, then the baselines, and cleans up.
 func (b *runner) runW1(ctx context.Context) (err error) {
 	n := b.opts.Iterations
 	b.phase("setting up the W1 sandbox (repo, REPL with a 40 MB dict, sqlite, bash)")
-	b.w, err = setupW1(ctx, b.e)
+	b.w, err = setupW1(ctx, b.e, b.iso)
 	if b.w != nil {
 		defer b.cleanup(context.WithoutCancel(ctx))
 	}

@@ -75,6 +75,9 @@ func (b *runner) measureSteps(ctx context.Context, n int) error {
 		if err != nil {
 			return err
 		}
+		for name, v := range ck.PhasesMS {
+			b.phases[name] = append(b.phases[name], v)
+		}
 		after, err := poolUsed(root)
 		if err != nil {
 			return err
@@ -189,7 +192,7 @@ func (b *runner) measureCreate(ctx context.Context, n int) error {
 	var samples []float64
 	for i := 0; i < n; i++ {
 		start := time.Now()
-		sb, err := b.e.Create(ctx, model.CreateOptions{Template: "debian"})
+		sb, err := b.e.Create(ctx, model.CreateOptions{Template: "debian", Isolation: b.iso})
 		if err != nil {
 			return fmt.Errorf("create: %w", err)
 		}

@@ -33,6 +33,7 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(w, "  FAILED %s\n", f)
 	}
 	r.printBaselines(w)
+	r.printBackends(w)
 }
 
 func (r *Report) printBaselines(w io.Writer) {

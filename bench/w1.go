@@ -83,8 +83,8 @@ func run(ctx context.Context, e *engine.Engine, id string, args ...string) (stri
 }
 
 // setupW1 creates the W1 sandbox from template "debian" and brings it to W1's state.
-func setupW1(ctx context.Context, e *engine.Engine) (*w1, error) {
-	sb, err := e.Create(ctx, model.CreateOptions{Template: "debian", Labels: map[string]string{"bench": "w1"}})
+func setupW1(ctx context.Context, e *engine.Engine, iso string) (*w1, error) {
+	sb, err := e.Create(ctx, model.CreateOptions{Template: "debian", Isolation: iso, Labels: map[string]string{"bench": "w1"}})
 	if err != nil {
 		return nil, fmt.Errorf("create: %w", err)
 	}

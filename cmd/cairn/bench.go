@@ -22,7 +22,8 @@ func newBenchCmd(a *app) *cobra.Command {
 rollback, fork and create, the storage each checkpoint adds, and the correctness of
 every rollback and fork (each is checked against the state recorded at its
 checkpoint). Unless --no-baselines, the runc+btrfs and copytree baselines are
-measured in the same run, and cairn's ratios against them reported.
+measured in the same run, and cairn's ratios against them reported. Each backend of
+--isolation runs the whole workload; the report puts them side by side.
 
 Workload w1 is the coding-agent sandbox: an idle bash, a Python REPL holding a large
 dict, an open sqlite transaction and a suspended generator, and a git repository of
@@ -30,6 +31,7 @@ dict, an open sqlite transaction and a suspended generator, and a git repository
 report as JSON with --json). Exits 1 if a correctness check failed.`,
 		Example: `  cairn bench
   cairn bench --iterations 50 --no-baselines
+  cairn bench --isolation gvisor --no-baselines
   cairn bench --json > w1.json`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -58,5 +60,6 @@ report as JSON with --json). Exits 1 if a correctness check failed.`,
 	cmd.Flags().StringVar(&opts.Workload, "workload", "w1", "workload to run (w1)")
 	cmd.Flags().IntVar(&opts.Iterations, "iterations", 20, "steps (and checkpoints) of the workload")
 	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc+btrfs and copytree baselines")
+	cmd.Flags().StringSliceVar(&opts.Isolation, "isolation", []string{"container", "gvisor"}, "isolation backends to measure, side by side (the top-level figures are container's)")
 	return cmd
 }

@@ -1,0 +1,146 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"sort"
+	"text/tabwriter"
+	"time"
+
+	"github.com/cairn-sandbox/cairn/engine"
+)
+
+// BackendReport is W1 measured on one isolation backend. The top-level figures of a
+// Report are those of the container backend (the keys earlier reports had); Backends
+// holds every backend's, side by side.
+type BackendReport struct {
+	Isolation    string `json:"isolation"`
+	Error        string `json:"error,omitempty"`
+	CheckpointMS Stats  `json:"checkpoint_ms"`
+	RollbackMS   Stats  `json:"rollback_ms"`
+	Fork1MS      Stats  `json:"fork1_ms"`
+	Fork4MS      Stats  `json:"fork4_ms"`
+	Fork16MS     Stats  `json:"fork16_ms"`
+	CreateMS     Stats  `json:"create_ms"`
+	// CheckpointPhasesP50MS is where a checkpoint's time goes: the median of each phase
+	// the engine and the backend report (sync, freeze, dump, fs_snapshot, thaw, publish).
+	CheckpointPhasesP50MS     map[string]float64 `json:"checkpoint_phases_p50_ms"`
+	StorageBytesPerCheckpoint Stats              `json:"storage_bytes_per_checkpoint"`
+	ImageBytesPerCheckpoint   Stats              `json:"image_bytes_per_checkpoint"`
+	// OverheadRSSBytes is the RSS of the process Running watches: cairn-init for a
+	// container; gVisor's sentry, which also holds the sandbox's memory, for gvisor.
+	OverheadRSSBytes int64       `json:"overhead_rss_bytes"`
+	Correctness      Correctness `json:"correctness"`
+}
+
+// runBackends runs W1 once per backend in opts.Isolation; the baselines run with the
+// first. The returned report's top-level figures are the container backend's (or the
+// first backend's when container is not measured).
+func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, error) {
+	var primary *Report
+	backends := map[string]*BackendReport{}
+	var firstErr error
+	for i, iso := range opts.Isolation {
+		o := opts
+		o.Baselines = opts.Baselines && i == 0
+		b := &runner{e: e, opts: o, iso: iso, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)),
+			rep: &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC()}, phases: map[string][]float64{}}
+		b.rep.Machine = machineInfo()
+		b.phase("isolation %s", iso)
+		err := b.runW1(ctx)
+		b.rep.CheckpointMS = summarize(b.ckMS)
+		b.rep.RollbackMS = summarize(b.rbMS)
+		b.rep.DurationS = time.Since(b.rep.StartedAt).Seconds()
+		br := b.backendReport()
+		if err != nil {
+			br.Error = err.Error()
+			if firstErr == nil {
+				firstErr = fmt.Errorf("isolation %s: %w", iso, err)
+			}
+		}
+		backends[iso] = br
+		if primary == nil || iso == "container" {
+			if primary != nil {
+				b.rep.Baselines, b.rep.Ratios = primary.Baselines, primary.Ratios
+			}
+			primary = b.rep
+		}
+	}
+	primary.Backends = backends
+	// Correctness of the whole run counts every backend's checks.
+	primary.Correctness = Correctness{}
+	for _, iso := range opts.Isolation {
+		c := backends[iso].Correctness
+		primary.Correctness.Passed += c.Passed
+		primary.Correctness.Failed += c.Failed
+		for _, f := range c.Failures {
+			primary.Correctness.Failures = append(primary.Correctness.Failures, iso+": "+f)
+		}
+	}
+	return primary, firstErr
+}
+
+func (b *runner) backendReport() *BackendReport {
+	r := b.rep
+	br := &BackendReport{Isolation: b.iso, CheckpointMS: r.CheckpointMS, RollbackMS: r.RollbackMS,
+		Fork1MS: r.Fork1MS, Fork4MS: r.Fork4MS, Fork16MS: r.Fork16MS, CreateMS: r.CreateMS,
+		StorageBytesPerCheckpoint: r.StorageBytesPerCheckpoint, ImageBytesPerCheckpoint: r.ImageBytesPerCheckpoint,
+		OverheadRSSBytes: r.OverheadRSSBytes, Correctness: r.Correctness, CheckpointPhasesP50MS: map[string]float64{}}
+	for name, v := range b.phases {
+		br.CheckpointPhasesP50MS[name] = summarize(v).P50
+	}
+	return br
+}
+
+// printBackends writes the per-backend table, side by side.
+func (r *Report) printBackends(w io.Writer) {
+	if len(r.Backends) < 2 {
+		return
+	}
+	names := make([]string, 0, len(r.Backends))
+	for n := range r.Backends {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	fmt.Fprintln(w, "\nbackends side by side (p50 / p95 ms):")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprint(tw, "operation\t")
+	for _, n := range names {
+		fmt.Fprintf(tw, "%s\t", n)
+	}
+	fmt.Fprintln(tw)
+	row := func(op string, get func(*BackendReport) Stats) {
+		fmt.Fprintf(tw, "%s\t", op)
+		for _, n := range names {
+			s := get(r.Backends[n])
+			fmt.Fprintf(tw, "%.1f / %.1f\t", s.P50, s.P95)
+		}
+		fmt.Fprintln(tw)
+	}
+	row("checkpoint", func(b *BackendReport) Stats { return b.CheckpointMS })
+	row("rollback", func(b *BackendReport) Stats { return b.RollbackMS })
+	row("fork ×1", func(b *BackendReport) Stats { return b.Fork1MS })
+	row("fork ×4", func(b *BackendReport) Stats { return b.Fork4MS })
+	row("fork ×16", func(b *BackendReport) Stats { return b.Fork16MS })
+	row("create", func(b *BackendReport) Stats { return b.CreateMS })
+	tw.Flush()
+	for _, n := range names {
+		br := r.Backends[n]
+		phases := make([]string, 0, len(br.CheckpointPhasesP50MS))
+		for p := range br.CheckpointPhasesP50MS {
+			phases = append(phases, p)
+		}
+		sort.Strings(phases)
+		fmt.Fprintf(w, "%s checkpoint phases (p50 ms):", n)
+		for _, p := range phases {
+			fmt.Fprintf(w, " %s %.1f", p, br.CheckpointPhasesP50MS[p])
+		}
+		fmt.Fprintf(w, "; image p50 %s; overhead RSS %s; checks %d passed, %d failed\n",
+			mib(br.ImageBytesPerCheckpoint.P50), mib(float64(br.OverheadRSSBytes)), br.Correctness.Passed, br.Correctness.Failed)
+		if br.Error != "" {
+			fmt.Fprintf(w, "%s: FAILED: %s\n", n, br.Error)
+		}
+	}
+}
