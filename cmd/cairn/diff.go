@@ -26,7 +26,7 @@ cairn's control directory /.cairn is left out. With --json: a list of
   cairn diff $c1 $c2 | grep '^A '`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -17,7 +17,7 @@ origin), and leftovers of interrupted operations. It prints what it removed.`,
 		Example: "  cairn rm $id && cairn gc\n  cairn gc --json",
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -28,7 +28,7 @@ HUP, USR1, ...) or by number.`,
 			if err != nil {
 				return err
 			}
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -22,7 +22,7 @@ age and command line. After a rollback it shows the processes as of the checkpoi
 		Example: "  cairn ps $id\n  cairn ps --json $id",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -15,7 +15,7 @@ record with --json).`,
 		Example: "  cairn resume $id",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -41,7 +41,7 @@ The write fails if the process has exited or does not read its input.`,
 					data = append(data, '\n')
 				}
 			}
-			e, err := a.engine(cmd.Context())
+			e, err := a.backend(cmd.Context())
 			if err != nil {
 				return err
 			}
