@@ -14,9 +14,17 @@
 // host's reach, so cairn drives init with `runsc exec` of cairn-init's client stages;
 // outputs and exit files are regular files and are read on the host directly.
 //
-// Identity of a run. Every Start and Restore is a new runsc container whose ID is the
-// base name of sb.Root (cairn gives every start, rollback and fork a fresh root volume),
-// so a concurrent fork never collides with its siblings and Stop needs no lookup.
+// Identity of a run. Every Start and Restore is a new runsc container whose ID is
+// derived from the base name of sb.Root (cairn gives every start, rollback and fork a
+// fresh root volume), so a concurrent fork never collides with its siblings and Stop
+// needs no lookup.
+//
+// Filesystem half, by measurement. gVisor's alternative, its in-sandbox overlay
+// (--overlay2=root:memory), keeps written files in the memory image: a sandbox that had
+// written 50 MB took 334-1047 ms per checkpoint with 50 MB of image each time (no
+// increments), against 183-327 ms and 2 MB here; restore 697 against 558 ms. It also
+// requires --file-access=exclusive, which hides the sandbox's files (process output
+// included) from the host.
 package gvisor
 
 import (
@@ -85,8 +93,11 @@ var traceRunsc = os.Getenv("CAIRN_TRACE_RUNSC") != ""
 // Name implements isolation.Backend.
 func (b *Backend) Name() string { return "gvisor" }
 
-// cid is the runsc container ID of the sandbox's current run.
-func cid(sb *isolation.Sandbox) string { return filepath.Base(sb.Root) }
+// cid is the runsc container ID of the sandbox's current run: the root's base name
+// and a "_". runsc resolves an ID given on its command line as a prefix and refuses it
+// as ambiguous when it prefixes another container's, even one it equals exactly; root
+// names never contain "_", so with it no ID is a prefix of another.
+func cid(sb *isolation.Sandbox) string { return filepath.Base(sb.Root) + "_" }
 
 func (b *Backend) bundle(id string) string { return filepath.Join(b.stateDir, "bundles", id) }
 
