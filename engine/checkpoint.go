@@ -60,7 +60,8 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	if err != nil {
 		return nil, err
 	}
-	ck := &model.Checkpoint{ID: newID("", 12), SandboxID: id, Parent: sb.Head, Label: opts.Label, Method: "criu-full"}
+	ck := &model.Checkpoint{ID: newID("", 12), SandboxID: id, Parent: sb.Head, Label: opts.Label,
+		Isolation: sb.Isolation, Method: method(b)}
 	// The read-only snapshot is staged inside a plain directory: a read-only subvolume
 	// cannot be renamed itself, its directory can.
 	staged := filepath.Join(stagingDir, id+"-"+ck.ID)
@@ -264,7 +265,10 @@ func (e *Engine) Fork(ctx context.Context, checkpointID string, count int) ([]*m
 	src, err := e.db.Sandbox(ctx, ck.SandboxID)
 	if err != nil {
 		// The source sandbox may be gone; its checkpoint still forks with defaults.
-		src = &model.Sandbox{Template: "", Isolation: "container"}
+		src = &model.Sandbox{Isolation: ck.Isolation}
+		if src.Isolation == "" {
+			src.Isolation = "container" // recorded before schema 2
+		}
 	}
 	b, err := e.backend(src.Isolation)
 	if err != nil {
@@ -437,4 +441,15 @@ func (e *Engine) retire(b isolation.Backend, old *model.Sandbox) {
 			e.cfg.Logf("delete the replaced root of %s: %v", old.ID, err)
 		}
 	})
+}
+
+// method names how a backend captures the process half, for Checkpoint.Method.
+func method(b isolation.Backend) string {
+	switch b.Name() {
+	case "container":
+		return "criu-full"
+	case "gvisor":
+		return "runsc-save"
+	}
+	return b.Name()
 }

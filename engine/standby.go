@@ -101,6 +101,9 @@ func (e *Engine) sourceOf(ctx context.Context, ck *model.Checkpoint) (string, is
 	if sb, err := e.db.Sandbox(ctx, ck.SandboxID); err == nil {
 		return sb.Isolation, sb.Limits
 	}
+	if ck.Isolation != "" {
+		return ck.Isolation, isolation.Limits{}
+	}
 	return "container", isolation.Limits{}
 }
 

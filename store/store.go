@@ -3,12 +3,12 @@
 //
 // Schema (version 1):
 //
-//	meta(key PRIMARY KEY, value)            "schema_version" = "1"
+//	meta(key PRIMARY KEY, value)            "schema_version" = "2"
 //	templates(name PK, volume, source, bytes, created_at)
 //	sandboxes(id PK, template, isolation, hostname, root, head, origin, labels JSON,
 //	          limits JSON, init_pid, init_start, state, created_at)
 //	checkpoints(id PK, sandbox_id, parent, label, created_at, fs_volume, images,
-//	          image_bytes, duration_ms, method, phases JSON)
+//	          image_bytes, duration_ms, method, phases JSON, isolation)
 //
 // The standbys table (standby.go) is a cache of restored-but-frozen copies; it is not
 // part of the versioned schema and may be dropped at any time.
@@ -34,7 +34,17 @@ import (
 )
 
 // SchemaVersion is the version of the schema this package writes.
-const SchemaVersion = "1"
+const SchemaVersion = "2"
+
+// migrations bring an older schema to SchemaVersion, one version at a time.
+var migrations = map[string]struct {
+	to  string
+	sql string
+}{
+	// 1 → 2: a checkpoint records the isolation it was taken with, so it can be forked
+	// after its sandbox is gone.
+	"1": {"2", `ALTER TABLE checkpoints ADD COLUMN isolation TEXT NOT NULL DEFAULT ''`},
+}
 
 const schema = `
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -52,7 +62,7 @@ CREATE TABLE IF NOT EXISTS checkpoints(
 	label TEXT NOT NULL DEFAULT '', created_at TEXT NOT NULL, fs_volume TEXT NOT NULL,
 	images TEXT NOT NULL, image_bytes INTEGER NOT NULL DEFAULT 0,
 	duration_ms REAL NOT NULL DEFAULT 0, method TEXT NOT NULL DEFAULT '',
-	phases TEXT NOT NULL DEFAULT '{}');
+	phases TEXT NOT NULL DEFAULT '{}', isolation TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS checkpoints_sandbox ON checkpoints(sandbox_id);
 CREATE INDEX IF NOT EXISTS checkpoints_parent ON checkpoints(parent);
 `
@@ -78,7 +88,10 @@ func Open(path string) (*Store, error) {
 	case errors.Is(err, sql.ErrNoRows):
 		_, err = db.Exec(`INSERT INTO meta(key, value) VALUES('schema_version', ?)`, SchemaVersion)
 	case err == nil && v != SchemaVersion:
-		err = errdefs.FailedPrecondition("metadata database %s has schema %s, this cairn knows %s", path, v, SchemaVersion)
+		err = migrate(db, v)
+		if err != nil {
+			err = errdefs.FailedPrecondition("metadata database %s has schema %s, this cairn knows %s: %v", path, v, SchemaVersion, err)
+		}
 	}
 	if err != nil {
 		db.Close()
@@ -90,6 +103,34 @@ func Open(path string) (*Store, error) {
 		return nil, fmt.Errorf("metadata database %s: %w", path, err)
 	}
 	return st, nil
+}
+
+// migrate applies the migrations from version v up to SchemaVersion, each in a
+// transaction with its version bump.
+func migrate(db *sql.DB, v string) error {
+	for v != SchemaVersion {
+		m, ok := migrations[v]
+		if !ok {
+			return fmt.Errorf("no migration from schema %s (a newer cairn wrote it?)", v)
+		}
+		tx, err := db.Begin()
+		if err != nil {
+			return err
+		}
+		if _, err := tx.Exec(m.sql); err != nil {
+			tx.Rollback()
+			return err
+		}
+		if _, err := tx.Exec(`UPDATE meta SET value=? WHERE key='schema_version'`, m.to); err != nil {
+			tx.Rollback()
+			return err
+		}
+		if err := tx.Commit(); err != nil {
+			return err
+		}
+		v = m.to
+	}
+	return nil
 }
 
 // Close closes the database.
@@ -216,7 +257,7 @@ func (s *Store) sandboxes(ctx context.Context, where string, args ...any) ([]*mo
 	return out, rows.Err()
 }
 
-const ckCols = `id, sandbox_id, parent, label, created_at, fs_volume, images, image_bytes, duration_ms, method, phases`
+const ckCols = `id, sandbox_id, parent, label, created_at, fs_volume, images, image_bytes, duration_ms, method, phases, isolation`
 
 // AddCheckpoint records a published checkpoint and, in the same transaction, the
 // sandbox whose head it becomes (sb may be nil).
@@ -227,8 +268,8 @@ func (s *Store) AddCheckpoint(ctx context.Context, c *model.Checkpoint, sb *mode
 	}
 	defer tx.Rollback()
 	phases, _ := json.Marshal(c.PhasesMS)
-	if _, err := tx.ExecContext(ctx, `INSERT INTO checkpoints(`+ckCols+`) VALUES(?,?,?,?,?,?,?,?,?,?,?)`,
-		c.ID, c.SandboxID, c.Parent, c.Label, ts(c.CreatedAt), c.FSVolume, c.Images, c.ImageBytes, c.DurationMS, c.Method, string(phases)); err != nil {
+	if _, err := tx.ExecContext(ctx, `INSERT INTO checkpoints(`+ckCols+`) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)`,
+		c.ID, c.SandboxID, c.Parent, c.Label, ts(c.CreatedAt), c.FSVolume, c.Images, c.ImageBytes, c.DurationMS, c.Method, string(phases), c.Isolation); err != nil {
 		return err
 	}
 	if sb != nil {
@@ -296,7 +337,7 @@ func (s *Store) checkpoints(ctx context.Context, where string, args ...any) ([]*
 		var c model.Checkpoint
 		var created, phases string
 		if err := rows.Scan(&c.ID, &c.SandboxID, &c.Parent, &c.Label, &created, &c.FSVolume, &c.Images,
-			&c.ImageBytes, &c.DurationMS, &c.Method, &phases); err != nil {
+			&c.ImageBytes, &c.DurationMS, &c.Method, &phases, &c.Isolation); err != nil {
 			return nil, err
 		}
 		json.Unmarshal([]byte(phases), &c.PhasesMS)

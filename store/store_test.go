@@ -39,7 +39,7 @@ func TestSchemaIsFrozen(t *testing.T) {
 		"meta":        "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
 		"templates":   "CREATE TABLE templates( name TEXT PRIMARY KEY, volume TEXT NOT NULL, source TEXT NOT NULL DEFAULT '', bytes INTEGER NOT NULL DEFAULT 0, created_at TEXT NOT NULL)",
 		"sandboxes":   "CREATE TABLE sandboxes( id TEXT PRIMARY KEY, template TEXT NOT NULL, isolation TEXT NOT NULL, hostname TEXT NOT NULL, root TEXT NOT NULL, head TEXT NOT NULL DEFAULT '', origin TEXT NOT NULL DEFAULT '', labels TEXT NOT NULL DEFAULT '{}', limits TEXT NOT NULL DEFAULT '{}', init_pid INTEGER NOT NULL DEFAULT 0, init_start INTEGER NOT NULL DEFAULT 0, state TEXT NOT NULL, created_at TEXT NOT NULL)",
-		"checkpoints": "CREATE TABLE checkpoints( id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, parent TEXT NOT NULL DEFAULT '', label TEXT NOT NULL DEFAULT '', created_at TEXT NOT NULL, fs_volume TEXT NOT NULL, images TEXT NOT NULL, image_bytes INTEGER NOT NULL DEFAULT 0, duration_ms REAL NOT NULL DEFAULT 0, method TEXT NOT NULL DEFAULT '', phases TEXT NOT NULL DEFAULT '{}')",
+		"checkpoints": "CREATE TABLE checkpoints( id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, parent TEXT NOT NULL DEFAULT '', label TEXT NOT NULL DEFAULT '', created_at TEXT NOT NULL, fs_volume TEXT NOT NULL, images TEXT NOT NULL, image_bytes INTEGER NOT NULL DEFAULT 0, duration_ms REAL NOT NULL DEFAULT 0, method TEXT NOT NULL DEFAULT '', phases TEXT NOT NULL DEFAULT '{}', isolation TEXT NOT NULL DEFAULT '')",
 	}
 	if d := cmp.Diff(want, got); d != "" {
 		t.Fatalf("schema changed without a version bump (-want +got):\n%s", d)
@@ -61,7 +61,8 @@ func TestRoundTripAndErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	c1 := &model.Checkpoint{ID: "c1", SandboxID: "sb1", Label: "first", CreatedAt: now, FSVolume: "checkpoints/c1/fs",
-		Images: "images/c1", ImageBytes: 10, DurationMS: 1.5, Method: "criu-full", PhasesMS: map[string]float64{"dump": 1}}
+		Images: "images/c1", ImageBytes: 10, DurationMS: 1.5, Method: "criu-full", PhasesMS: map[string]float64{"dump": 1},
+		Isolation: "container"}
 	sb.Head = "c1"
 	if err := s.AddCheckpoint(ctx, c1, sb); err != nil {
 		t.Fatal(err)
@@ -112,5 +113,39 @@ func TestRoundTripAndErrors(t *testing.T) {
 		if errdefs.Code(err) != "not_found" || !strings.Contains(err.Error(), "not found") {
 			t.Errorf("missing record: %v", err)
 		}
+	}
+}
+
+// TestMigrateFromV1 opens a database written by schema 1 and finds its checkpoints.
+func TestMigrateFromV1(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "cairn.db")
+	db, err := sql.Open("sqlite", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v1 := `CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES('schema_version', '1');
+CREATE TABLE checkpoints( id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL, parent TEXT NOT NULL DEFAULT '',
+	label TEXT NOT NULL DEFAULT '', created_at TEXT NOT NULL, fs_volume TEXT NOT NULL,
+	images TEXT NOT NULL, image_bytes INTEGER NOT NULL DEFAULT 0,
+	duration_ms REAL NOT NULL DEFAULT 0, method TEXT NOT NULL DEFAULT '', phases TEXT NOT NULL DEFAULT '{}');
+INSERT INTO checkpoints(id, sandbox_id, created_at, fs_volume, images) VALUES('old', 'sb', '2026-01-01T00:00:00Z', 'f', 'i');`
+	if _, err := db.Exec(v1); err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+	s, err := Open(path)
+	if err != nil {
+		t.Fatalf("open a schema-1 database: %v", err)
+	}
+	defer s.Close()
+	c, err := s.Checkpoint(context.Background(), "old")
+	if err != nil || c.Isolation != "" {
+		t.Fatalf("migrated checkpoint: %+v %v", c, err)
+	}
+	var v string
+	s.db.QueryRow(`SELECT value FROM meta WHERE key='schema_version'`).Scan(&v)
+	if v != SchemaVersion {
+		t.Fatalf("schema version after migration: %s", v)
 	}
 }

@@ -50,6 +50,8 @@ type Checkpoint struct {
 	DurationMS float64 `json:"duration_ms"`
 	// Method says how the process half was captured ("criu-full") and why.
 	Method string `json:"method"`
+	// Isolation is the backend the checkpoint was taken with (its copies run on it).
+	Isolation string `json:"isolation,omitempty"`
 	// PhasesMS is where the critical path's time went, in milliseconds.
 	PhasesMS map[string]float64 `json:"phases_ms,omitempty"`
 }
