@@ -102,7 +102,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	if req.Count == 0 {
-		req.Count = 1
+		req.Count = 1 // omitted: the documented default (an explicit 0 cannot be told apart)
 	}
 	ckID := r.PathValue("id")
 	ck, err := s.eng.GetCheckpoint(r.Context(), ckID)

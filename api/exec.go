@@ -57,6 +57,9 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 		switch {
 		case timedOut:
 			s.eng.Signal(ctx, id, h, syscall.SIGKILL)
+			// Follow streams from the start again: skip what was already sent.
+			out.skip, out.off = out.off, 0
+			errw.skip, errw.off = errw.off, 0
 			st, err = s.eng.Follow(ctx, id, h, out, errw) // the rest of the output and the status
 		case err != nil && ctx.Err() != nil:
 			s.abandon(id, h)

@@ -49,7 +49,7 @@ func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, 
 			rep: &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC()}, phases: map[string][]float64{}}
 		b.rep.Machine = machineInfo()
 		b.phase("isolation %s", iso)
-		err := b.runW1(ctx)
+		err := b.runWorkloads(ctx)
 		b.rep.CheckpointMS = summarize(b.ckMS)
 		b.rep.RollbackMS = summarize(b.rbMS)
 		b.rep.DurationS = time.Since(b.rep.StartedAt).Seconds()

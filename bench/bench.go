@@ -23,7 +23,7 @@ import (
 
 // Options configure Run.
 type Options struct {
-	Workload   string // "w1" (the only one so far)
+	Workload   string // "w1", "w2", "w3" or "all"
 	Iterations int    // steps/checkpoints (default 20)
 	Baselines  bool   // also run the runc_btrfs and copytree baselines
 	// Isolation lists the backends to measure, side by side (default: container).
@@ -44,7 +44,18 @@ type Report struct {
 	Fork1MS      Stats `json:"fork1_ms"`
 	Fork4MS      Stats `json:"fork4_ms"`
 	Fork16MS     Stats `json:"fork16_ms"`
-	CreateMS     Stats `json:"create_ms"`
+	// Fork16WarmMS is fork ×16 after Prewarm made 16 standbys ready (background work,
+	// timed in Prewarm16S).
+	Fork16WarmMS Stats   `json:"fork16_warm_ms"`
+	Prewarm16S   float64 `json:"prewarm16_s"`
+	CreateMS     Stats   `json:"create_ms"`
+	// Standby counts the standby work of the W1 run (prepared in the background, taken by
+	// rollbacks and forks, missed); BackgroundMS per prepared standby is the background
+	// cost of a checkpoint.
+	Standby engine.Stats `json:"standby"`
+	// W2 and W3 are present when those workloads ran.
+	W2 *W2Report `json:"w2,omitempty"`
+	W3 *W3Report `json:"w3,omitempty"`
 
 	// StorageBytesPerCheckpoint is the pool filesystem's used-bytes delta around each
 	// checkpoint of the first Iterations steps (syncfs before each statfs; btrfs shares
@@ -125,8 +136,12 @@ func (b *runner) phase(format string, args ...any) {
 // Run runs a workload on e and returns its report. A baseline that cannot run records
 // its error in the report; a failed correctness check is counted, not returned.
 func Run(ctx context.Context, e *engine.Engine, opts Options) (*Report, error) {
-	if opts.Workload != "w1" {
-		return nil, errdefs.InvalidArgument("workload %q: only \"w1\" is implemented", opts.Workload)
+	switch opts.Workload {
+	case "":
+		opts.Workload = "w1"
+	case "w1", "w2", "w3", "all":
+	default:
+		return nil, errdefs.InvalidArgument("workload %q: give w1, w2, w3 or all", opts.Workload)
 	}
 	if opts.Iterations == 0 {
 		opts.Iterations = 20
@@ -138,6 +153,28 @@ func Run(ctx context.Context, e *engine.Engine, opts Options) (*Report, error) {
 		opts.Isolation = []string{"container"}
 	}
 	return runBackends(ctx, e, opts)
+}
+
+// runWorkloads runs the workloads opts.Workload names.
+func (b *runner) runWorkloads(ctx context.Context) error {
+	w := b.opts.Workload
+	if w == "w1" || w == "all" {
+		if err := b.runW1(ctx); err != nil {
+			return err
+		}
+	}
+	var err error
+	if w == "w2" || w == "all" {
+		if b.rep.W2, err = b.runW2(ctx); err != nil {
+			return fmt.Errorf("w2: %w", err)
+		}
+	}
+	if w == "w3" || w == "all" {
+		if b.rep.W3, err = b.runW3(ctx, b.opts.Iterations); err != nil {
+			return fmt.Errorf("w3: %w", err)
+		}
+	}
+	return nil
 }
 
 // runW1 sets W1 up, runs every measurement, then the baselines, and cleans up.
@@ -154,6 +191,8 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 	if b.rep.OverheadRSSBytes, err = b.overheadRSS(ctx); err != nil {
 		return err
 	}
+	before := b.e.Stats()
+	defer func() { b.rep.Standby = statsDelta(before, b.e.Stats()) }()
 	b.phase("%d steps, each followed by a checkpoint", n)
 	if err := b.measureSteps(ctx, n); err != nil {
 		return err
@@ -170,6 +209,10 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 		if *f.out, err = b.measureForks(ctx, f.count, f.reps); err != nil {
 			return err
 		}
+	}
+	b.phase("fork ×16 after prewarming 16 standbys, %d times", max(2, n/10))
+	if err := b.measureWarmForks(ctx, max(2, n/10)); err != nil {
+		return err
 	}
 	b.phase("create from the template, %d times", n)
 	if err := b.measureCreate(ctx, n); err != nil {

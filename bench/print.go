@@ -5,7 +5,11 @@ import (
 	"io"
 	"sort"
 	"text/tabwriter"
+
+	"github.com/cairn-sandbox/cairn/engine"
 )
+
+type engineStats = engine.Stats
 
 // Print writes the report as human-readable tables: p50/p95/p99 per operation, the
 // storage figures, the baselines and cairn's ratios against them.
@@ -19,10 +23,19 @@ func (r *Report) Print(w io.Writer) {
 		name string
 		s    Stats
 	}{{"checkpoint", r.CheckpointMS}, {"rollback", r.RollbackMS}, {"fork ×1", r.Fork1MS},
-		{"fork ×4", r.Fork4MS}, {"fork ×16", r.Fork16MS}, {"create", r.CreateMS}} {
-		printStats(tw, op.name, op.s)
+		{"fork ×4", r.Fork4MS}, {"fork ×16", r.Fork16MS}, {"fork ×16 (warm)", r.Fork16WarmMS}, {"create", r.CreateMS}} {
+		if op.s.N > 0 {
+			printStats(tw, op.name, op.s)
+		}
 	}
 	tw.Flush()
+	if r.CheckpointMS.N == 0 {
+		r.printSearch(w)
+		return
+	}
+	st := r.Standby
+	fmt.Fprintf(w, "\nstandbys: %d prepared in the background (%.0f ms each on average), %d taken by rollbacks/forks, %d misses (restore path), %d evicted; prewarming 16: %.2f s\n",
+		st.StandbysPrepared, perPrepared(st), st.StandbysClaimed, st.StandbyMisses, st.StandbysEvicted, r.Prewarm16S)
 	s := r.StorageBytesPerCheckpoint
 	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, mean %s (process images alone: p50 %s)\n",
 		mib(s.P50), mib(s.P95), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50))
@@ -34,6 +47,32 @@ func (r *Report) Print(w io.Writer) {
 	}
 	r.printBaselines(w)
 	r.printBackends(w)
+	r.printSearch(w)
+}
+
+func perPrepared(st engineStats) float64 {
+	if st.StandbysPrepared == 0 {
+		return 0
+	}
+	return st.BackgroundMS / float64(st.StandbysPrepared)
+}
+
+// printSearch writes the W2 and W3 results, if any.
+func (r *Report) printSearch(w io.Writer) {
+	if r.W2 != nil {
+		x := r.W2
+		fmt.Fprintf(w, "\nW2 (MCTS replay): %d expansions, %d rollbacks: %.1f s vs %.1f s with no snapshots: overhead %.1f%%\n",
+			x.Expansions, x.Rollbacks, x.TotalS, x.FloorS, x.OverheadPct)
+		fmt.Fprintf(w, "  checkpoint p50/p95/p99 %.1f/%.1f/%.1f ms, rollback %.1f/%.1f/%.1f ms; standbys taken %d, misses %d\n",
+			x.CheckpointMS.P50, x.CheckpointMS.P95, x.CheckpointMS.P99, x.RollbackMS.P50, x.RollbackMS.P95, x.RollbackMS.P99,
+			x.Standby.StandbysClaimed, x.Standby.StandbyMisses)
+	}
+	if r.W3 != nil {
+		x := r.W3
+		fmt.Fprintf(w, "\nW3 (RL fan-out): %d sandboxes × %d rounds: %.0f resets/s, reset p50/p95/p99 %.1f/%.1f/%.1f ms, round p50 %.2f s; standbys taken %d, misses %d\n",
+			x.Sandboxes, x.Rounds, x.ResetsPS, x.ResetMS.P50, x.ResetMS.P95, x.ResetMS.P99, x.RoundS.P50,
+			x.Standby.StandbysClaimed, x.Standby.StandbyMisses)
+	}
 }
 
 func (r *Report) printBaselines(w io.Writer) {

@@ -93,6 +93,9 @@ type RestoreOptions struct {
 	Cgroups []string
 	// LeaveStopped leaves every restored task stopped (SIGSTOP) instead of running.
 	LeaveStopped bool
+	// Background runs CRIU at the lowest CPU priority (nice 19), for restores nobody
+	// waits for; the restored tasks get back the priorities they were dumped with.
+	Background bool
 }
 
 // logLevel is CRIU's log verbosity: 2 (errors and warnings) unless $CAIRN_CRIU_LOG_LEVEL
@@ -111,12 +114,15 @@ func str(v string) *string { return &v }
 // launcher writes a script that starts CRIU inside netns (if set) after joining cgroups,
 // and returns its path and a cleanup. go-criu starts "<path> swrk <fd>"; a per-call
 // script is how a call gets its own namespace and cgroups without touching the caller.
-func launcher(criu, netns, errlog string, cgroups []string) (string, func(), error) {
+func launcher(criu, netns, errlog string, cgroups []string, background bool) (string, func(), error) {
 	var sb strings.Builder
 	sb.WriteString("#!/bin/sh\n")
 	fmt.Fprintf(&sb, "exec 2>>%q\n", errlog)
 	for _, cg := range cgroups {
 		fmt.Fprintf(&sb, "echo $$ > %q || exit 1\n", cg)
+	}
+	if background {
+		sb.WriteString("renice -n 19 -p $$ >/dev/null\n")
 	}
 	if netns != "" {
 		fmt.Fprintf(&sb, "exec nsenter --net=%q %q \"$@\"\n", netns, criu)
@@ -181,7 +187,7 @@ func Dump(ctx context.Context, opts DumpOptions) error {
 	if opts.FreezeCgroup != "" {
 		ro.FreezeCgroup = str(opts.FreezeCgroup)
 	}
-	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.ImagesDir, "launch.log"), nil)
+	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.ImagesDir, "launch.log"), nil, false)
 	if err != nil {
 		return err
 	}
@@ -232,7 +238,7 @@ func Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 	if opts.LeaveStopped {
 		ro.LeaveStopped = b(true)
 	}
-	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.WorkDir, "launch.log"), opts.Cgroups)
+	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.WorkDir, "launch.log"), opts.Cgroups, opts.Background)
 	if err != nil {
 		return 0, err
 	}

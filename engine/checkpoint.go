@@ -219,7 +219,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 		return err
 	} else if ok {
 		e.retire(b, &old)
-		e.refillIfNone(ctx, ck)
+		e.refill(ck, 1) // replace what was taken: the pool of a checkpoint keeps its size
 		return nil
 	}
 	newRoot := rootVolume(id)
@@ -319,7 +319,7 @@ func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sa
 	if ok, err := e.takeStandby(ctx, sb, ck, identity); err != nil {
 		return nil, err
 	} else if ok {
-		e.refillIfNone(ctx, ck)
+		e.refill(ck, 1)
 		return sb, nil
 	}
 	if err := e.pool.Snapshot(ctx, ck.FSVolume, sb.Root, false); err != nil {
@@ -340,6 +340,7 @@ func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sa
 		e.pool.Delete(ctx, sb.Root)
 		return nil, err
 	}
+	e.refillIfNone(ctx, ck)
 	return sb, nil
 }
 

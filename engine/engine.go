@@ -82,6 +82,8 @@ type Engine struct {
 	bgStats Stats
 	// pending counts standbys being prepared, by checkpoint; protected by bgMu.
 	pending map[string]int
+	// prepSem serializes standby restores: they are CPU-bound and run beside sandboxes.
+	prepSem chan struct{}
 }
 
 // Open opens (creating on first use) the data directory and its pool.
@@ -129,7 +131,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}}
+	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}, prepSem: make(chan struct{}, 1)}
 	if err := criu.UseKdatCache(filepath.Join(cfg.DataDir, "criu")); err != nil {
 		return nil, err
 	}

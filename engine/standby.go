@@ -118,6 +118,9 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	if !ok {
 		return nil
 	}
+	// One restore at a time: they are CPU-bound, and sandboxes run meanwhile.
+	e.prepSem <- struct{}{}
+	defer func() { <-e.prepSem }()
 	sid := newID("s", 11)
 	unlock, err := e.lock(ctx, sid, true)
 	if err != nil {

@@ -27,12 +27,17 @@ measured in the same run, and cairn's ratios against them reported. Each backend
 
 Workload w1 is the coding-agent sandbox: an idle bash, a Python REPL holding a large
 dict, an open sqlite transaction and a suspended generator, and a git repository of
-1,000 files. Progress goes to standard error; the report to standard output (the
-report as JSON with --json). Exits 1 if a correctness check failed.`,
+1,000 files. w2 replays an MCTS-shaped tree search on it (100 expansions, 49 after a
+rollback) against the same 100 steps with no snapshots, and reports the overhead. w3
+forks 16 sandboxes from one warm checkpoint and resets them to it, --iterations
+rounds, and reports resets per second. "all" runs the three. Progress goes to standard
+error; the report to standard output (the report as JSON with --json). Exits 1 if a
+correctness check failed.`,
 		Example: `  cairn bench
   cairn bench --iterations 50 --no-baselines
   cairn bench --isolation gvisor --no-baselines
-  cairn bench --json > w1.json`,
+  cairn bench --json > w1.json
+  cairn bench --workload all --no-baselines`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			opts.Baselines = !noBaselines
@@ -57,7 +62,7 @@ report as JSON with --json). Exits 1 if a correctness check failed.`,
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&opts.Workload, "workload", "w1", "workload to run (w1)")
+	cmd.Flags().StringVar(&opts.Workload, "workload", "w1", "workload to run: w1, w2, w3 or all")
 	cmd.Flags().IntVar(&opts.Iterations, "iterations", 20, "steps (and checkpoints) of the workload")
 	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc+btrfs and copytree baselines")
 	cmd.Flags().StringSliceVar(&opts.Isolation, "isolation", []string{"container", "gvisor"}, "isolation backends to measure, side by side (the top-level figures are container's)")

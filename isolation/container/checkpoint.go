@@ -97,6 +97,7 @@ func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		ImagesDir:    dir,
 		KeepLog:      filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),
 		LeaveStopped: frozen,
+		Background:   frozen, // standbys are prepared off the critical path
 		WorkDir:      work,
 		Root:         sb.Root,
 	})

@@ -1,0 +1,222 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/cairn-sandbox/cairn/engine"
+)
+
+// W2 — tree search replay (MCTS-shaped) — and W3 — RL fan-out — of REFERENCE.md, both
+// on W1's sandbox state.
+
+// W2Report is the result of W2: 100 expansions, 49 of them starting with a rollback to a
+// node chosen by UCT over a random reward, each followed by a step and a checkpoint;
+// against the floor of the same 100 steps with no snapshotting at all.
+type W2Report struct {
+	Expansions   int     `json:"expansions"`
+	Rollbacks    int     `json:"rollbacks"`
+	TotalS       float64 `json:"total_s"`
+	FloorS       float64 `json:"floor_s"`
+	OverheadPct  float64 `json:"overhead_pct"`
+	CheckpointMS Stats   `json:"checkpoint_ms"`
+	RollbackMS   Stats   `json:"rollback_ms"`
+	// Standby counts the engine's standby work during the search.
+	Standby engine.Stats `json:"standby"`
+}
+
+// W3Report is the result of W3: 16 sandboxes forked from one warm checkpoint, reset to
+// it and stepped, Rounds times.
+type W3Report struct {
+	Sandboxes int     `json:"sandboxes"`
+	Rounds    int     `json:"rounds"`
+	ResetMS   Stats   `json:"reset_ms"`
+	ResetsPS  float64 `json:"resets_per_s"`
+	// RoundS is the wall time of one round (16 resets and 16 steps).
+	RoundS  Stats        `json:"round_s"`
+	Standby engine.Stats `json:"standby"`
+}
+
+func statsDelta(a, b engine.Stats) engine.Stats {
+	return engine.Stats{StandbysPrepared: b.StandbysPrepared - a.StandbysPrepared,
+		StandbysClaimed: b.StandbysClaimed - a.StandbysClaimed, StandbysEvicted: b.StandbysEvicted - a.StandbysEvicted,
+		StandbyMisses: b.StandbyMisses - a.StandbyMisses, BackgroundMS: b.BackgroundMS - a.BackgroundMS}
+}
+
+// node is a search-tree node: a checkpoint with UCT statistics.
+type node struct {
+	ck     string
+	parent *node
+	visits int
+	value  float64
+}
+
+// uct picks the node to expand: highest mean reward plus exploration bonus.
+func uct(nodes []*node, total int, skip string) *node {
+	var best *node
+	bestScore := math.Inf(-1)
+	for _, n := range nodes {
+		if n.ck == skip {
+			continue
+		}
+		score := math.Inf(1)
+		if n.visits > 0 {
+			score = n.value/float64(n.visits) + 1.4*math.Sqrt(math.Log(float64(total+1))/float64(n.visits))
+		}
+		if score > bestScore {
+			best, bestScore = n, score
+		}
+	}
+	return best
+}
+
+// runW2 measures the floor, then the search, each on a fresh W1 sandbox.
+func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
+	const expansions = 100
+	rep := &W2Report{Expansions: expansions}
+	b.phase("W2 floor: %d steps without snapshots", expansions)
+	floor, err := setupW1(ctx, b.e, b.iso)
+	if floor != nil {
+		defer b.e.Remove(context.WithoutCancel(ctx), floor.id)
+	}
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	for i := 0; i < expansions; i++ {
+		if err := floor.step(ctx); err != nil {
+			return nil, err
+		}
+	}
+	rep.FloorS = time.Since(start).Seconds()
+
+	b.phase("W2 search: %d expansions, 49 of them after a rollback", expansions)
+	b.w, err = setupW1(ctx, b.e, b.iso)
+	if b.w != nil {
+		defer b.cleanup(context.WithoutCancel(ctx))
+	}
+	if err != nil {
+		return nil, err
+	}
+	before := b.e.Stats()
+	var elapsed time.Duration
+	var ckMS, rbMS []float64
+	ck0, d, err := b.w.checkpoint(ctx)
+	if err != nil {
+		return nil, err
+	}
+	elapsed += d
+	ckMS = append(ckMS, ms(d))
+	nodes := []*node{{ck: ck0.ID}}
+	cur := nodes[0]
+	for i := 0; i < expansions; i++ {
+		t := time.Now()
+		if i%2 == 1 && i < 98 { // 49 rollbacks
+			target := uct(nodes, i, cur.ck)
+			rb := time.Now()
+			if err := b.e.Rollback(ctx, b.w.id, target.ck); err != nil {
+				return nil, fmt.Errorf("w2 rollback: %w", err)
+			}
+			rbMS = append(rbMS, ms(time.Since(rb)))
+			rep.Rollbacks++
+			cur = target
+			elapsed += time.Since(t)
+			// Correctness is checked off the clock.
+			b.rep.Correctness.add(fmt.Sprintf("w2 rollback %d", i), b.w.check(ctx, b.w.id, b.w.repl, b.w.expect[target.ck]))
+			t = time.Now()
+		}
+		if err := b.w.step(ctx); err != nil {
+			return nil, err
+		}
+		elapsed += time.Since(t)
+		ck, d, err := b.w.checkpoint(ctx) // records the expected state off the clock
+		if err != nil {
+			return nil, err
+		}
+		elapsed += d
+		ckMS = append(ckMS, ms(d))
+		child := &node{ck: ck.ID, parent: cur}
+		nodes = append(nodes, child)
+		reward := b.rng.Float64()
+		for n := child; n != nil; n = n.parent {
+			n.visits++
+			n.value += reward
+		}
+		cur = child
+	}
+	rep.TotalS = elapsed.Seconds()
+	rep.OverheadPct = 100 * (rep.TotalS - rep.FloorS) / rep.FloorS
+	rep.CheckpointMS, rep.RollbackMS = summarize(ckMS), summarize(rbMS)
+	rep.Standby = statsDelta(before, b.e.Stats())
+	return rep, nil
+}
+
+// runW3 forks 16 sandboxes from one warm checkpoint and resets them to it, rounds times.
+func (b *runner) runW3(ctx context.Context, rounds int) (*W3Report, error) {
+	const fan = 16
+	rep := &W3Report{Sandboxes: fan, Rounds: rounds}
+	var err error
+	b.w, err = setupW1(ctx, b.e, b.iso)
+	if b.w != nil {
+		defer b.cleanup(context.WithoutCancel(ctx))
+	}
+	if err != nil {
+		return nil, err
+	}
+	warm, _, err := b.w.checkpoint(ctx)
+	if err != nil {
+		return nil, err
+	}
+	b.phase("W3: prewarming %d standbys of the warm checkpoint, forking %d", fan, fan)
+	if err := b.e.Prewarm(ctx, warm.ID, fan); err != nil {
+		return nil, err
+	}
+	forks, err := b.e.Fork(ctx, warm.ID, fan)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		for _, f := range forks {
+			b.e.Remove(context.WithoutCancel(ctx), f.ID)
+		}
+	}()
+	before := b.e.Stats()
+	var resets, roundS []float64
+	b.phase("W3: %d rounds of %d resets and %d steps", rounds, fan, fan)
+	for r := 0; r < rounds; r++ {
+		start := time.Now()
+		for _, f := range forks {
+			t := time.Now()
+			if err := b.e.Rollback(ctx, f.ID, warm.ID); err != nil {
+				return nil, fmt.Errorf("w3 reset of %s: %w", f.ID, err)
+			}
+			resets = append(resets, ms(time.Since(t)))
+		}
+		if r == rounds-1 {
+			for _, f := range forks {
+				b.rep.Correctness.add("w3 reset of "+f.ID, b.w.check(ctx, f.ID, nil, b.w.expect[warm.ID]))
+			}
+		}
+		for _, f := range forks {
+			fw := *b.w
+			fw.id = f.ID
+			fw.repl = &repl{t: engineTransport{b.e, f.ID, b.w.py}, off: b.w.expect[warm.ID].StdoutOff}
+			if err := fw.step(ctx); err != nil {
+				return nil, fmt.Errorf("w3 step in %s: %w", f.ID, err)
+			}
+		}
+		roundS = append(roundS, time.Since(start).Seconds())
+	}
+	rep.ResetMS, rep.RoundS = summarize(resets), summarize(roundS)
+	var total float64
+	for _, v := range resets {
+		total += v
+	}
+	if total > 0 {
+		rep.ResetsPS = float64(len(resets)) / (total / 1000)
+	}
+	rep.Standby = statsDelta(before, b.e.Stats())
+	return rep, nil
+}
