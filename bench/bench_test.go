@@ -39,7 +39,8 @@ func TestW1Smoke(t *testing.T) {
 		t.Errorf("%d correctness checks failed: %v", rep.Correctness.Failed, rep.Correctness.Failures)
 	}
 	// 3 rollbacks + forks ×1 (3), ×4 (2×4), ×16 (2×16).
-	if want := 3 + 3 + 8 + 32; rep.Correctness.Passed != want {
+	// 3 rollbacks, 3 forks ×1, 2 forks ×4, 2 forks ×16 and 2 warm forks ×16.
+	if want := 3 + 3 + 8 + 32 + 32; rep.Correctness.Passed != want {
 		t.Errorf("%d correctness checks passed, want %d", rep.Correctness.Passed, want)
 	}
 	for name, bl := range rep.Baselines {
@@ -88,8 +89,8 @@ func checkJSONKeys(t *testing.T, rep *Report) {
 }
 
 func TestRejectsOtherWorkloads(t *testing.T) {
-	_, err := Run(context.Background(), nil, Options{Workload: "w2"})
+	_, err := Run(context.Background(), nil, Options{Workload: "w9"})
 	if errdefs.Code(err) != "invalid_argument" {
-		t.Fatalf("Run(w2) = %v, want an invalid_argument error", err)
+		t.Fatalf("Run(w9) = %v, want an invalid_argument error", err)
 	}
 }

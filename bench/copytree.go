@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path"
 	"path/filepath"
 	"time"
 
@@ -56,7 +57,8 @@ func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *Ba
 	if err != nil {
 		return err
 	}
-	src := &isolation.Sandbox{ID: sb.ID, Hostname: sb.Hostname, Root: root, Limits: sb.Limits, Init: sb.Init}
+	src := &isolation.Sandbox{ID: sb.ID, Hostname: sb.Hostname, Root: root, Limits: sb.Limits, Init: sb.Init,
+		Cgroup: path.Base(sb.Root)}
 	var cks []copytreeCheckpoint
 	var samples []float64
 	for k := 0; k < n; k++ {
