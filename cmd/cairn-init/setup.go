@@ -9,6 +9,7 @@ import (
 	"runtime"
 
 	"github.com/cairn-sandbox/cairn/internal/initctl"
+	"github.com/cairn-sandbox/cairn/internal/netns"
 	"github.com/cairn-sandbox/cairn/internal/seccomp"
 	"golang.org/x/sys/unix"
 )
@@ -62,7 +63,7 @@ func setup() error {
 	if err := unix.Sethostname([]byte(cfg.Hostname)); err != nil {
 		return fmt.Errorf("sethostname: %w", err)
 	}
-	if err := loopbackUp(); err != nil {
+	if err := netns.LoopbackUp(); err != nil {
 		return fmt.Errorf("loopback: %w", err)
 	}
 	if err := redirectStdio(); err != nil {
@@ -182,23 +183,6 @@ func makeDevices(dev string) error {
 		}
 	}
 	return nil
-}
-
-func loopbackUp() error {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(fd)
-	ifr, err := unix.NewIfreq("lo")
-	if err != nil {
-		return err
-	}
-	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
-		return err
-	}
-	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
-	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
 }
 
 // redirectStdio points fds 0-2 inside the sandbox: /dev/null in, the init log out.

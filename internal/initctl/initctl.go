@@ -28,6 +28,8 @@ import (
 	"path/filepath"
 	"regexp"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Dir is the control directory, relative to the sandbox root.
@@ -128,4 +130,35 @@ func ReadJSON(path string, v any) error {
 		return err
 	}
 	return json.Unmarshal(b, v)
+}
+
+// Install copies the cairn-init binary at src into the sandbox root (a reflink where the
+// filesystem can): init runs from inside the root, so every file the process tree maps
+// is inside the sandbox, and a restored image finds it.
+func Install(src, root string) error {
+	dir := filepath.Join(root, Dir)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	dst := filepath.Join(dir, InitBin)
+	tmp := dst + ".tmp"
+	out, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o755)
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err != nil {
+		if _, err := out.ReadFrom(in); err != nil {
+			out.Close()
+			return err
+		}
+	}
+	if err := out.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp, dst)
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/netns"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"golang.org/x/sys/unix"
 )
@@ -84,15 +85,15 @@ func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		removeCgroups(sb.CgroupName())
 		return fmt.Errorf("bind root for restore: %w", err)
 	}
-	netns, err := newNetNS()
+	ns, err := netns.New()
 	if err != nil {
 		unix.Unmount(sb.Root, unix.MNT_DETACH)
 		removeCgroups(sb.CgroupName())
 		return fmt.Errorf("network namespace for restore: %w", err)
 	}
-	defer netns.Close()
+	defer ns.Close()
 	pid, rerr := criu.Restore(ctx, criu.RestoreOptions{
-		NetNS:        fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), netns.Fd()),
+		NetNS:        fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ns.Fd()),
 		Cgroups:      procsFiles(sb.CgroupName()),
 		ImagesDir:    dir,
 		KeepLog:      filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),
@@ -106,11 +107,9 @@ func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		b.Stop(ctx, sb)
 		return rerr
 	}
-	st, err := startTime(pid)
-	if err != nil {
+	if sb.Init, err = isolation.ProcOf(pid); err != nil {
 		return err
 	}
-	sb.Init = isolation.Proc{Pid: pid, StartTime: st}
 	if frozen {
 		if err := freezeStopped(sb.CgroupName()); err != nil {
 			b.Stop(ctx, sb)
@@ -149,54 +148,6 @@ func setHostname(pid int, name string) error {
 		errc <- unix.Sethostname([]byte(name))
 	}()
 	return <-errc
-}
-
-// newNetNS makes a network namespace with its loopback up, for a restored tree (the
-// images hold the sockets, not the namespace). The namespace lives as long as a
-// descriptor or a process refers to it.
-func newNetNS() (*os.File, error) {
-	type result struct {
-		f   *os.File
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		// The thread that unshares is never returned to the runtime: the goroutine exits
-		// locked and Go ends the thread with it.
-		runtime.LockOSThread()
-		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-			ch <- result{err: err}
-			return
-		}
-		f, err := os.Open("/proc/thread-self/ns/net")
-		if err == nil {
-			err = loopbackUp()
-		}
-		ch <- result{f, err}
-	}()
-	r := <-ch
-	if r.err != nil && r.f != nil {
-		r.f.Close()
-	}
-	return r.f, r.err
-}
-
-// loopbackUp sets "lo" up in the calling thread's network namespace.
-func loopbackUp() error {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(fd)
-	ifr, err := unix.NewIfreq("lo")
-	if err != nil {
-		return err
-	}
-	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
-		return err
-	}
-	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
-	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
 }
 
 // freezeStopped freezes a cgroup whose tasks CRIU left stopped, then continues them: the

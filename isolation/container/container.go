@@ -14,11 +14,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -55,7 +53,7 @@ type setupConfig struct {
 
 // Start implements isolation.Backend.
 func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
-	if err := installInit(b.initBinary, sb.Root); err != nil {
+	if err := initctl.Install(b.initBinary, sb.Root); err != nil {
 		return err
 	}
 	ctlDir := filepath.Join(sb.Root, initctl.Dir)
@@ -102,43 +100,12 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 		return fail(err)
 	}
 	go cmd.Wait() // reap init if it ever exits while this process lives
-	st, err := startTime(pid)
+	init, err := isolation.ProcOf(pid)
 	if err != nil {
 		return fail(err)
 	}
-	sb.Init = isolation.Proc{Pid: pid, StartTime: st}
+	sb.Init = init
 	return nil
-}
-
-// installInit copies the cairn-init binary into the sandbox root, where the running init
-// maps it from (CRIU must find every mapped file inside the sandbox).
-func installInit(src, root string) error {
-	dir := filepath.Join(root, initctl.Dir)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	dst := filepath.Join(dir, initctl.InitBin)
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	tmp := dst + ".tmp"
-	out, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o755)
-	if err != nil {
-		return err
-	}
-	// A reflink where the filesystem can (btrfs), a copy elsewhere.
-	if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err != nil {
-		if _, err := io.Copy(out, in); err != nil {
-			out.Close()
-			return err
-		}
-	}
-	if err := out.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp, dst)
 }
 
 // waitReady waits until init has written its ready file, or its process has died.
@@ -148,7 +115,7 @@ func waitReady(ctx context.Context, ctlDir string, pid int, timeout time.Duratio
 		if _, err := os.Stat(filepath.Join(ctlDir, initctl.ReadyFile)); err == nil {
 			return nil
 		}
-		if !alive(pid) {
+		if !isolation.ProcAlive(pid) {
 			log, _ := os.ReadFile(filepath.Join(ctlDir, initctl.LogFile))
 			return fmt.Errorf("sandbox init exited during start: %s", lastLines(string(log), 5))
 		}
@@ -189,35 +156,7 @@ func (b *Backend) Running(sb *isolation.Sandbox) bool {
 	if sb.Init.Pid == 0 {
 		return false
 	}
-	st, err := startTime(sb.Init.Pid)
-	return err == nil && st == sb.Init.StartTime && alive(sb.Init.Pid)
-}
-
-// alive reports whether pid exists and is not a zombie.
-func alive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i > 0 && len(s) > i+2 && s[i+2] != 'Z' && s[i+2] != 'X'
-}
-
-// startTime reads a process's start time (clock ticks since boot), which tells a
-// process from a later one that reuses its PID.
-func startTime(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	f := strings.Fields(s[i+1:])
-	if len(f) < 20 {
-		return 0, fmt.Errorf("short /proc/%d/stat", pid)
-	}
-	return strconv.ParseUint(f[19], 10, 64)
+	return sb.Init.Alive()
 }
 
 func lastLines(s string, n int) string {

@@ -164,7 +164,7 @@ func exitCode(err error) int {
 
 // Start implements isolation.Backend.
 func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
-	if err := installInit(b.initBinary, sb.Root); err != nil {
+	if err := initctl.Install(b.initBinary, sb.Root); err != nil {
 		return err
 	}
 	ctlDir := filepath.Join(sb.Root, initctl.Dir)
@@ -205,11 +205,11 @@ func readPid(pidFile string) (isolation.Proc, error) {
 	if err != nil {
 		return isolation.Proc{}, fmt.Errorf("runsc pid file %s: %w", pidFile, err)
 	}
-	st, err := startTime(pid)
+	p, err := isolation.ProcOf(pid)
 	if err != nil {
 		return isolation.Proc{}, fmt.Errorf("gVisor sandbox process %d: %w", pid, err)
 	}
-	return isolation.Proc{Pid: pid, StartTime: st}, nil
+	return p, nil
 }
 
 // waitReady waits until init has written its ready file (through the gofer, so the host
@@ -220,7 +220,7 @@ func waitReady(ctx context.Context, ctlDir string, pid int, timeout time.Duratio
 		if _, err := os.Stat(filepath.Join(ctlDir, initctl.ReadyFile)); err == nil {
 			return nil
 		}
-		if !alive(pid) {
+		if !isolation.ProcAlive(pid) {
 			log, _ := os.ReadFile(filepath.Join(ctlDir, initctl.LogFile))
 			return fmt.Errorf("gVisor sandbox exited during start: %s", lastLines(string(log), 5))
 		}
@@ -257,10 +257,10 @@ func (b *Backend) destroy(id string, p isolation.Proc) error {
 		p, _ = readPid(filepath.Join(b.bundle(id), "pid"))
 	}
 	if p.Pid != 0 {
-		if st, err := startTime(p.Pid); err == nil && st == p.StartTime {
+		if p.Alive() {
 			unix.Kill(p.Pid, unix.SIGKILL)
 			deadline := time.Now().Add(10 * time.Second)
-			for alive(p.Pid) {
+			for p.Alive() {
 				if time.Now().After(deadline) {
 					return errdefs.Unavailable("gVisor sandbox process %d did not exit after SIGKILL", p.Pid)
 				}
@@ -311,65 +311,7 @@ func (b *Backend) Running(sb *isolation.Sandbox) bool {
 	if sb.Init.Pid == 0 {
 		return false
 	}
-	st, err := startTime(sb.Init.Pid)
-	return err == nil && st == sb.Init.StartTime && alive(sb.Init.Pid)
-}
-
-// alive reports whether pid exists and is not a zombie.
-func alive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i > 0 && len(s) > i+2 && s[i+2] != 'Z' && s[i+2] != 'X'
-}
-
-// startTime reads a process's start time (clock ticks since boot), which tells a
-// process from a later one that reuses its PID.
-func startTime(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	f := strings.Fields(s[i+1:])
-	if len(f) < 20 {
-		return 0, fmt.Errorf("short /proc/%d/stat", pid)
-	}
-	return strconv.ParseUint(f[19], 10, 64)
-}
-
-// installInit copies the cairn-init binary into the sandbox root (a reflink on btrfs):
-// init runs from inside the root, so a restored image finds the file it maps.
-func installInit(src, root string) error {
-	dir := filepath.Join(root, initctl.Dir)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	dst := filepath.Join(dir, initctl.InitBin)
-	tmp := dst + ".tmp"
-	out, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o755)
-	if err != nil {
-		return err
-	}
-	if err := unix.IoctlFileClone(int(out.Fd()), int(in.Fd())); err != nil {
-		if _, err := out.ReadFrom(in); err != nil {
-			out.Close()
-			return err
-		}
-	}
-	if err := out.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp, dst)
+	return sb.Init.Alive()
 }
 
 func lastLines(s string, n int) string {

@@ -1,0 +1,56 @@
+package isolation
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// ProcOf identifies the running process pid (its start time tells it from a later
+// process that reuses the PID).
+func ProcOf(pid int) (Proc, error) {
+	f, err := statFields(pid)
+	if err != nil {
+		return Proc{}, err
+	}
+	if len(f) < 20 {
+		return Proc{}, fmt.Errorf("short /proc/%d/stat", pid)
+	}
+	st, err := strconv.ParseUint(f[19], 10, 64)
+	return Proc{Pid: pid, StartTime: st}, err
+}
+
+// Alive reports whether p still runs: the same process (PID and start time), and not a
+// zombie.
+func (p Proc) Alive() bool {
+	if p.Pid == 0 {
+		return false
+	}
+	f, err := statFields(p.Pid)
+	if err != nil || len(f) < 20 {
+		return false
+	}
+	return f[0] != "Z" && f[0] != "X" && f[19] == strconv.FormatUint(p.StartTime, 10)
+}
+
+// statFields returns the fields of /proc/pid/stat after the command name, starting with
+// the state.
+func statFields(pid int) ([]string, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return nil, err
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	return strings.Fields(s[i+1:]), nil
+}
+
+// ProcAlive reports whether pid exists and is not a zombie (whatever process it is).
+func ProcAlive(pid int) bool {
+	f, err := statFields(pid)
+	return err == nil && len(f) > 0 && f[0] != "Z" && f[0] != "X"
+}
