@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -17,12 +16,6 @@ import (
 // correctness check passed and that the report has the keys later tools rely on. It
 // asserts nothing about timings.
 func TestW1Smoke(t *testing.T) {
-	if os.Getenv("CAIRN_TEST_ROOTFS") == "" && os.Getenv("CI") != "true" {
-		// Import a local debootstrap tree instead of building the template (~70 s).
-		if _, err := os.Stat("/srv/debootstrap-tree/usr/bin/git"); err == nil {
-			t.Setenv("CAIRN_TEST_ROOTFS", "/srv/debootstrap-tree")
-		}
-	}
 	e := testenv.Engine(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()

@@ -58,10 +58,10 @@ func TestMain(m *testing.M) {
 }
 
 // importLocalTemplate saves the debootstrap of the default template on developer
-// machines that have a debootstrap tree at hand (never in CI).
+// machines that name a debootstrap tree in $CAIRN_TEST_ROOTFS (never in CI).
 func importLocalTemplate() {
-	const tree = "/srv/debootstrap-tree"
-	if os.Getenv("CI") == "true" || os.Geteuid() != 0 {
+	tree := os.Getenv("CAIRN_TEST_ROOTFS")
+	if tree == "" || os.Getenv("CI") == "true" || os.Geteuid() != 0 {
 		return
 	}
 	if st, err := os.Stat(tree); err != nil || !st.IsDir() {
