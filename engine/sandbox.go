@@ -129,22 +129,11 @@ func (e *Engine) List(ctx context.Context) ([]*model.Sandbox, error) {
 // Remove stops a sandbox and deletes it and its root. Its checkpoints stay (forks and
 // other sandboxes may descend from them) until GC or DeleteCheckpoint removes them.
 func (e *Engine) Remove(ctx context.Context, id string) error {
-	sb, err := e.Get(ctx, id)
-	if err != nil {
-		return err
-	}
-	unlock, err := e.lock(ctx, id, true)
+	sb, unlock, err := e.stopLocked(ctx, id)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	b, err := e.backend(sb.Isolation)
-	if err != nil {
-		return err
-	}
-	if err := b.Stop(ctx, e.isb(sb)); err != nil {
-		return err
-	}
 	if err := e.db.DeleteSandbox(ctx, id); err != nil {
 		return err
 	}
@@ -176,23 +165,34 @@ func (e *Engine) Resume(ctx context.Context, id string) (*model.Sandbox, error) 
 // Stop stops a sandbox's processes, keeping its root and checkpoints (Resume restarts it
 // from its head checkpoint).
 func (e *Engine) Stop(ctx context.Context, id string) error {
-	sb, err := e.Get(ctx, id)
-	if err != nil {
-		return err
-	}
-	unlock, err := e.lock(ctx, id, true)
+	sb, unlock, err := e.stopLocked(ctx, id)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	b, err := e.backend(sb.Isolation)
-	if err != nil {
-		return err
-	}
-	if err := b.Stop(ctx, e.isb(sb)); err != nil {
-		return err
-	}
 	sb.State = model.StateStopped
 	sb.Init = isolation.Proc{}
 	return e.db.PutSandbox(ctx, sb)
+}
+
+// stopLocked takes a sandbox's lock and stops its processes; the caller releases the
+// lock when done with the record.
+func (e *Engine) stopLocked(ctx context.Context, id string) (*model.Sandbox, func(), error) {
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return nil, nil, err
+	}
+	unlock, err := e.lock(ctx, id, true)
+	if err != nil {
+		return nil, nil, err
+	}
+	b, err := e.backend(sb.Isolation)
+	if err == nil {
+		err = b.Stop(ctx, e.isb(sb))
+	}
+	if err != nil {
+		unlock()
+		return nil, nil, err
+	}
+	return sb, unlock, nil
 }

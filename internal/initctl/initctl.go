@@ -22,14 +22,18 @@
 package initctl
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
 // Dir is the control directory, relative to the sandbox root.
@@ -161,4 +165,38 @@ func Install(src, root string) error {
 		return err
 	}
 	return os.Rename(tmp, dst)
+}
+
+// WaitReady waits until init under the control directory dir has written its ready
+// file, the process that should become init has died (alive returns false: the error
+// carries the end of init's log), the timeout passes or ctx ends.
+func WaitReady(ctx context.Context, dir string, alive func() bool, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for delay := 100 * time.Microsecond; ; delay = min(delay*2, 5*time.Millisecond) {
+		if _, err := os.Stat(filepath.Join(dir, ReadyFile)); err == nil {
+			return nil
+		}
+		if !alive() {
+			log, _ := os.ReadFile(filepath.Join(dir, LogFile))
+			lines := strings.Split(strings.TrimSpace(string(log)), "\n")
+			return fmt.Errorf("sandbox init exited during start: %s", strings.Join(lines[max(0, len(lines)-5):], " | "))
+		}
+		if time.Now().After(deadline) {
+			return errdefs.Unavailable("sandbox init did not become ready in %s", timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(delay):
+		}
+	}
+}
+
+// Err is nil for a successful response, else the error init reported for what, in
+// sandbox id.
+func (r Response) Err(id, what string) error {
+	if r.OK {
+		return nil
+	}
+	return errdefs.FailedPrecondition("sandbox %s: %s: %s", id, what, r.Error)
 }

@@ -96,7 +96,7 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 	}
 	gateW.Write([]byte{1})
 	gateW.Close()
-	if err := waitReady(ctx, ctlDir, pid, 10*time.Second); err != nil {
+	if err := initctl.WaitReady(ctx, ctlDir, func() bool { return isolation.ProcAlive(pid) }, 10*time.Second); err != nil {
 		return fail(err)
 	}
 	go cmd.Wait() // reap init if it ever exits while this process lives
@@ -106,28 +106,6 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 	}
 	sb.Init = init
 	return nil
-}
-
-// waitReady waits until init has written its ready file, or its process has died.
-func waitReady(ctx context.Context, ctlDir string, pid int, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for delay := 100 * time.Microsecond; ; delay = min(delay*2, 5*time.Millisecond) {
-		if _, err := os.Stat(filepath.Join(ctlDir, initctl.ReadyFile)); err == nil {
-			return nil
-		}
-		if !isolation.ProcAlive(pid) {
-			log, _ := os.ReadFile(filepath.Join(ctlDir, initctl.LogFile))
-			return fmt.Errorf("sandbox init exited during start: %s", lastLines(string(log), 5))
-		}
-		if time.Now().After(deadline) {
-			return errdefs.Unavailable("sandbox init did not become ready in %s", timeout)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(delay):
-		}
-	}
 }
 
 // Stop implements isolation.Backend.
@@ -157,12 +135,4 @@ func (b *Backend) Running(sb *isolation.Sandbox) bool {
 		return false
 	}
 	return sb.Init.Alive()
-}
-
-func lastLines(s string, n int) string {
-	l := strings.Split(strings.TrimSpace(s), "\n")
-	if len(l) > n {
-		l = l[len(l)-n:]
-	}
-	return strings.Join(l, " | ")
 }

@@ -72,13 +72,6 @@ func (b *Backend) call(ctx context.Context, sb *isolation.Sandbox, req initctl.R
 	}
 }
 
-func respErr(sb *isolation.Sandbox, what string, resp initctl.Response) error {
-	if resp.OK {
-		return nil
-	}
-	return errdefs.FailedPrecondition("sandbox %s: %s: %s", sb.ID, what, resp.Error)
-}
-
 // Exec implements isolation.Backend.
 func (b *Backend) Exec(ctx context.Context, sb *isolation.Sandbox, handle string, spec isolation.ProcSpec) error {
 	if !initctl.ValidHandle(handle) {
@@ -88,7 +81,7 @@ func (b *Backend) Exec(ctx context.Context, sb *isolation.Sandbox, handle string
 	if err != nil {
 		return err
 	}
-	return respErr(sb, "exec "+spec.Args[0], resp)
+	return resp.Err(sb.ID, "exec "+spec.Args[0])
 }
 
 // Signal implements isolation.Backend.
@@ -97,7 +90,7 @@ func (b *Backend) Signal(ctx context.Context, sb *isolation.Sandbox, handle stri
 	if err != nil {
 		return err
 	}
-	return respErr(sb, "signal "+handle, resp)
+	return resp.Err(sb.ID, "signal "+handle)
 }
 
 // WriteStdin implements isolation.Backend. The data goes straight into the process's
@@ -137,7 +130,7 @@ func (b *Backend) WriteStdin(ctx context.Context, sb *isolation.Sandbox, handle 
 		if err != nil {
 			return err
 		}
-		return respErr(sb, "close stdin of "+handle, resp)
+		return resp.Err(sb.ID, "close stdin of "+handle)
 	}
 	return nil
 }

@@ -60,13 +60,6 @@ func (b *Backend) call(ctx context.Context, sb *isolation.Sandbox, req initctl.R
 	return resp, nil
 }
 
-func respErr(sb *isolation.Sandbox, what string, resp initctl.Response) error {
-	if resp.OK {
-		return nil
-	}
-	return errdefs.FailedPrecondition("sandbox %s: %s: %s", sb.ID, what, resp.Error)
-}
-
 // Exec implements isolation.Backend.
 func (b *Backend) Exec(ctx context.Context, sb *isolation.Sandbox, handle string, spec isolation.ProcSpec) error {
 	if !initctl.ValidHandle(handle) {
@@ -76,7 +69,7 @@ func (b *Backend) Exec(ctx context.Context, sb *isolation.Sandbox, handle string
 	if err != nil {
 		return err
 	}
-	return respErr(sb, "exec "+spec.Args[0], resp)
+	return resp.Err(sb.ID, "exec "+spec.Args[0])
 }
 
 // Signal implements isolation.Backend.
@@ -85,7 +78,7 @@ func (b *Backend) Signal(ctx context.Context, sb *isolation.Sandbox, handle stri
 	if err != nil {
 		return err
 	}
-	return respErr(sb, "signal "+signalName(sig)+" to "+handle, resp)
+	return resp.Err(sb.ID, "signal "+signalName(sig)+" to "+handle)
 }
 
 // WriteStdin implements isolation.Backend: one `runsc exec` copies data into the

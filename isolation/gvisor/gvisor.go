@@ -184,7 +184,7 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 	}
 	p, err := readPid(pidFile)
 	if err == nil {
-		err = waitReady(ctx, ctlDir, p.Pid, 10*time.Second)
+		err = initctl.WaitReady(ctx, ctlDir, func() bool { return isolation.ProcAlive(p.Pid) }, 10*time.Second)
 	}
 	if err != nil {
 		b.destroy(id, isolation.Proc{})
@@ -210,29 +210,6 @@ func readPid(pidFile string) (isolation.Proc, error) {
 		return isolation.Proc{}, fmt.Errorf("gVisor sandbox process %d: %w", pid, err)
 	}
 	return p, nil
-}
-
-// waitReady waits until init has written its ready file (through the gofer, so the host
-// sees it), or the sandbox process has died.
-func waitReady(ctx context.Context, ctlDir string, pid int, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for delay := 100 * time.Microsecond; ; delay = min(delay*2, 5*time.Millisecond) {
-		if _, err := os.Stat(filepath.Join(ctlDir, initctl.ReadyFile)); err == nil {
-			return nil
-		}
-		if !isolation.ProcAlive(pid) {
-			log, _ := os.ReadFile(filepath.Join(ctlDir, initctl.LogFile))
-			return fmt.Errorf("gVisor sandbox exited during start: %s", lastLines(string(log), 5))
-		}
-		if time.Now().After(deadline) {
-			return errdefs.Unavailable("sandbox init did not become ready in %s", timeout)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(delay):
-		}
-	}
 }
 
 // Stop implements isolation.Backend.
