@@ -31,8 +31,10 @@ type BackendReport struct {
 	ImageBytesPerCheckpoint   Stats              `json:"image_bytes_per_checkpoint"`
 	// OverheadRSSBytes is the RSS of the process Running watches: cairn-init for a
 	// container; gVisor's sentry, which also holds the sandbox's memory, for gvisor.
-	OverheadRSSBytes int64       `json:"overhead_rss_bytes"`
-	Correctness      Correctness `json:"correctness"`
+	OverheadRSSBytes int64 `json:"overhead_rss_bytes"`
+	// BackgroundMSPerCheckpoint is as in Report.
+	BackgroundMSPerCheckpoint float64     `json:"background_ms_per_checkpoint"`
+	Correctness               Correctness `json:"correctness"`
 }
 
 // runBackends runs W1 once per backend in opts.Isolation; the baselines run with the
@@ -87,7 +89,8 @@ func (b *runner) backendReport() *BackendReport {
 	br := &BackendReport{Isolation: b.iso, CheckpointMS: r.CheckpointMS, RollbackMS: r.RollbackMS,
 		Fork1MS: r.Fork1MS, Fork4MS: r.Fork4MS, Fork16MS: r.Fork16MS, CreateMS: r.CreateMS,
 		StorageBytesPerCheckpoint: r.StorageBytesPerCheckpoint, ImageBytesPerCheckpoint: r.ImageBytesPerCheckpoint,
-		OverheadRSSBytes: r.OverheadRSSBytes, Correctness: r.Correctness, CheckpointPhasesP50MS: map[string]float64{}}
+		OverheadRSSBytes: r.OverheadRSSBytes, BackgroundMSPerCheckpoint: r.BackgroundMSPerCheckpoint,
+		Correctness: r.Correctness, CheckpointPhasesP50MS: map[string]float64{}}
 	for name, v := range b.phases {
 		br.CheckpointPhasesP50MS[name] = summarize(v).P50
 	}

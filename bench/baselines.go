@@ -16,13 +16,13 @@ import (
 func (b *runner) runBaselines(ctx context.Context) {
 	b.rep.Baselines = map[string]*BaselineReport{}
 	b.rep.Ratios = map[string]Ratios{}
-	cairnCk, cairnRb := summarize(b.ckMS).P50, summarize(b.rbMS).P50
 	for _, bl := range []struct {
 		name string
 		n    int
 		run  func(context.Context, *scratch, int, *BaselineReport) error
 	}{
-		{"runc_btrfs", b.opts.Iterations, b.runcBaseline},
+		{"runc_criu", b.opts.Iterations, b.runcBaseline},
+		{"runsc", b.opts.Iterations, b.runscBaseline},
 		// Every copytree checkpoint copies the whole root (~400 MB): keep it short.
 		{"copytree", min(b.opts.Iterations, 10), b.copytreeBaseline},
 	} {
@@ -39,9 +39,32 @@ func (b *runner) runBaselines(ctx context.Context) {
 			br.Error = err.Error()
 			b.phase("baseline %s failed: %v", bl.name, err)
 		} else {
-			b.rep.Ratios[bl.name] = Ratios{Checkpoint: ratio(br.CheckpointMS.P50, cairnCk), Rollback: ratio(br.RollbackMS.P50, cairnRb)}
+			b.rep.Ratios[bl.name] = b.ratios(br)
 		}
 		b.rep.Baselines[bl.name] = br
+	}
+}
+
+// ratios compares a baseline's p50s (and storage ratio) with cairn's.
+func (b *runner) ratios(br *BaselineReport) Ratios {
+	r := b.rep
+	return Ratios{
+		Checkpoint: ratio(br.CheckpointMS.P50, summarize(b.ckMS).P50),
+		Rollback:   ratio(br.RollbackMS.P50, summarize(b.rbMS).P50),
+		Fork16:     ratio(br.Fork16MS.P50, r.Fork16MS.P50),
+		Storage:    ratio(br.StorageRatio, r.StorageRatio),
+	}
+}
+
+// setStorage records a baseline's storage per checkpoint (pool used-bytes deltas),
+// image bytes per checkpoint, and its storage ratio: the mean storage per checkpoint
+// over the bytes one step changed, as Report.StorageRatio.
+func (br *BaselineReport) setStorage(storage, images []float64, changed int64) {
+	br.StorageBytesPerCheckpoint = summarize(storage)
+	br.ImageBytesPerCheckpoint = summarize(images)
+	br.StepChangedBytes = changed
+	if changed > 0 {
+		br.StorageRatio = br.StorageBytesPerCheckpoint.Mean / float64(changed)
 	}
 }
 
@@ -49,7 +72,11 @@ func (b *runner) runBaselines(ctx context.Context) {
 // snapshots and copies stay on the same filesystem), and the volumes made in it.
 type scratch struct {
 	pool *btrfs.Pool
+	root string // the pool's directory
 	rel  string // pool-relative directory
+
+	mu sync.Mutex
+	// vols are the volumes made and not yet deleted; protected by mu.
 	vols []string
 }
 
@@ -66,7 +93,7 @@ func newScratch(ctx context.Context, poolRoot, name string) (*scratch, error) {
 		pool.Close()
 		return nil, err
 	}
-	return &scratch{pool: pool, rel: filepath.Base(dir)}, nil
+	return &scratch{pool: pool, root: poolRoot, rel: filepath.Base(dir)}, nil
 }
 
 // path returns the host path of name inside the scratch directory.
@@ -78,13 +105,33 @@ func (s *scratch) snapshot(ctx context.Context, src, name string, readonly bool)
 	if err := s.pool.Snapshot(ctx, src, vol, readonly); err != nil {
 		return "", err
 	}
+	s.mu.Lock()
 	s.vols = append(s.vols, vol)
+	s.mu.Unlock()
 	return vol, nil
+}
+
+// delete deletes a volume snapshot made.
+func (s *scratch) delete(ctx context.Context, vol string) error {
+	if err := s.pool.Delete(ctx, vol); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, v := range s.vols {
+		if v == vol {
+			s.vols = append(s.vols[:i], s.vols[i+1:]...)
+			break
+		}
+	}
+	return nil
 }
 
 // cleanup deletes the scratch volumes and directory.
 func (s *scratch) cleanup(ctx context.Context) error {
 	defer s.pool.Close()
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	var first error
 	for i := len(s.vols) - 1; i >= 0; i-- {
 		if err := s.pool.Delete(ctx, s.vols[i]); err != nil && first == nil && s.pool.Exists(s.vols[i]) {

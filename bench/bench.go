@@ -1,13 +1,14 @@
 // Package bench measures cairn on its reference workloads (see REFERENCE.md): for now
-// W1, the coding-agent sandbox, with the runc+btrfs and copytree baselines measured in
-// the same run on the same state.
+// W1, the coding-agent sandbox, with the runc_criu (runc + CRIU), runsc (gVisor) and
+// copytree baselines measured in the same run on the same state.
 //
 // W1 builds a sandbox from template "debian" holding an idle bash, a Python REPL (a
 // ~40 MB dict, a sqlite3 connection with an open transaction, a suspended generator)
 // and a git repository of 1,000 files, then measures checkpoint after each step,
 // rollback to a random ancestor, fork ×1/×4/×16, create, and the storage each
 // checkpoint adds. Every rollback and fork is checked against the state recorded when
-// its checkpoint was taken.
+// its checkpoint was taken. The baselines report the same keys (checkpoint_ms,
+// rollback_ms, fork16_ms, storage_ratio), measured the same way.
 package bench
 
 import (
@@ -25,7 +26,7 @@ import (
 type Options struct {
 	Workload   string // "w1", "w2", "w3" or "all"
 	Iterations int    // steps/checkpoints (default 20)
-	Baselines  bool   // also run the runc_btrfs and copytree baselines
+	Baselines  bool   // also run the runc_criu, runsc and copytree baselines
 	// Isolation lists the backends to measure, side by side (default: container).
 	Isolation []string
 	Progress  io.Writer // one line per phase; nil for silence
@@ -49,10 +50,15 @@ type Report struct {
 	Fork16WarmMS Stats   `json:"fork16_warm_ms"`
 	Prewarm16S   float64 `json:"prewarm16_s"`
 	CreateMS     Stats   `json:"create_ms"`
-	// Standby counts the standby work of the W1 run (prepared in the background, taken by
-	// rollbacks and forks, missed); BackgroundMS per prepared standby is the background
-	// cost of a checkpoint.
+	// Standby counts the standby work of the whole W1 run (prepared, taken by rollbacks
+	// and forks, missed). Prewarm's standbys count as prepared, but their time is not in
+	// BackgroundMS (Prewarm runs in the foreground; see Prewarm16S).
 	Standby engine.Stats `json:"standby"`
+	// BackgroundMSPerCheckpoint is the engine's background work (standby restores,
+	// retiring replaced trees) during the steps and rollbacks, waited for at their end,
+	// divided by the checkpoints taken there: what a checkpoint costs off its critical
+	// path.
+	BackgroundMSPerCheckpoint float64 `json:"background_ms_per_checkpoint"`
 	// W2 and W3 are present when those workloads ran.
 	W2 *W2Report `json:"w2,omitempty"`
 	W3 *W3Report `json:"w3,omitempty"`
@@ -72,7 +78,8 @@ type Report struct {
 	// its init (cairn-init).
 	OverheadRSSBytes int64 `json:"overhead_rss_bytes"`
 
-	// Baselines by name ("runc_btrfs", "copytree"); absent unless Options.Baselines.
+	// Baselines by name ("runc_criu", "runsc", "copytree"); absent unless
+	// Options.Baselines.
 	Baselines map[string]*BaselineReport `json:"baselines,omitempty"`
 	// Ratios by baseline name: the baseline's p50 over cairn's (above 1: cairn faster).
 	Ratios map[string]Ratios `json:"ratios,omitempty"`
@@ -83,20 +90,39 @@ type Report struct {
 	Backends map[string]*BackendReport `json:"backends,omitempty"`
 }
 
-// BaselineReport is one baseline's measurements, or why it could not run.
+// BaselineReport is one baseline's measurements, or why it could not run. Its keys are
+// the top level's, measured the same way: checkpoint after each step, rollback to a
+// random one of its checkpoints, fork ×16 from one checkpoint until all 16 run.
 type BaselineReport struct {
 	Method       string `json:"method"`
 	Error        string `json:"error,omitempty"`
 	CheckpointMS Stats  `json:"checkpoint_ms"`
 	RollbackMS   Stats  `json:"rollback_ms"`
-	// Checks counts the REPL state checks after the baseline's rollbacks that passed.
+	Fork16MS     Stats  `json:"fork16_ms"`
+	// StorageBytesPerCheckpoint is the pool's used-bytes delta around each checkpoint,
+	// as for cairn; the baselines write their images into the pool, so it holds the
+	// images too (cairn's are outside: its figure adds ImageBytes). ImageBytes is the
+	// size of the image files alone.
+	StorageBytesPerCheckpoint Stats `json:"storage_bytes_per_checkpoint"`
+	ImageBytesPerCheckpoint   Stats `json:"image_bytes_per_checkpoint"`
+	// StepChangedBytes is the baseline's own step estimated as cairn's is (edited files,
+	// 1 MiB of heap, 10 rows); StorageRatio is mean StorageBytesPerCheckpoint over it.
+	StepChangedBytes int64   `json:"step_changed_bytes"`
+	StorageRatio     float64 `json:"storage_ratio"`
+	// NotMeasured names the keys left zero on purpose, and why.
+	NotMeasured string `json:"not_measured,omitempty"`
+	// Checks counts the REPL state checks after the baseline's rollbacks and forks that
+	// passed (a failed one ends the baseline with an Error).
 	Checks int `json:"checks_passed"`
 }
 
-// Ratios compare a baseline's p50 with cairn's.
+// Ratios compare a baseline's p50 with cairn's (Storage: storage ratio over cairn's).
+// Above 1, cairn is faster (or smaller); 0 when either side was not measured.
 type Ratios struct {
 	Checkpoint float64 `json:"checkpoint"`
 	Rollback   float64 `json:"rollback"`
+	Fork16     float64 `json:"fork16"`
+	Storage    float64 `json:"storage"`
 }
 
 // Correctness counts the checks after rollbacks and forks.
@@ -192,7 +218,10 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 		return err
 	}
 	before := b.e.Stats()
-	defer func() { b.rep.Standby = statsDelta(before, b.e.Stats()) }()
+	defer func() {
+		b.e.Quiesce()
+		b.rep.Standby = statsDelta(before, b.e.Stats())
+	}()
 	b.phase("%d steps, each followed by a checkpoint", n)
 	if err := b.measureSteps(ctx, n); err != nil {
 		return err
@@ -201,6 +230,10 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 	if err := b.measureRollbacks(ctx, n); err != nil {
 		return err
 	}
+	// Wait for the background work of the checkpoints (untimed), so that it is counted
+	// whole and not in the forks that follow.
+	b.e.Quiesce()
+	b.rep.BackgroundMSPerCheckpoint = statsDelta(before, b.e.Stats()).BackgroundMS / float64(len(b.ckMS))
 	for _, f := range []struct {
 		count, reps int
 		out         *Stats

@@ -45,9 +45,12 @@ func (t fileTransport) output(ctx context.Context, off int64) ([]byte, int64, er
 // copytreeBaseline measures DeltaBox's "copytree" baseline on the W1 sandbox itself,
 // through cairn's own container backend: checkpoint = freeze, `cp -a --reflink=never`
 // of the root, CRIU dump (leave running), thaw; rollback = a `cp -a` of the saved copy
-// (the copy must survive for later rollbacks) and a CRIU restore onto it.
+// (the copy must survive for later rollbacks) and a CRIU restore onto it. Storage is
+// measured as cairn's (the copies and images are in the pool). Fork ×16 is not: it
+// would be 16 full copies of the root (~6 GB written) per repetition.
 func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *BaselineReport) error {
 	br.Method = "freeze + `cp -a --reflink=never` of the root + CRIU dump (leave running) + thaw, with cairn's container backend; rollback: `cp -a` of the saved copy + CRIU restore"
+	br.NotMeasured = "fork16_ms: each fork is a full copy of the root (~400 MB), 16 per repetition; too costly to run alongside the others"
 	sb, err := b.e.Get(ctx, b.w.id)
 	if err != nil {
 		return err
@@ -60,7 +63,7 @@ func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *Ba
 	src := &isolation.Sandbox{ID: sb.ID, Hostname: sb.Hostname, Root: root, Limits: sb.Limits, Init: sb.Init,
 		Cgroup: path.Base(sb.Root)}
 	var cks []copytreeCheckpoint
-	var samples []float64
+	var samples, storage, images []float64
 	for k := 0; k < n; k++ {
 		if err := b.w.step(ctx); err != nil {
 			return err
@@ -73,6 +76,10 @@ func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *Ba
 		if err := os.MkdirAll(ck.images, 0o700); err != nil {
 			return err
 		}
+		before, err := poolUsed(s.root)
+		if err != nil {
+			return err
+		}
 		start := time.Now()
 		err = cb.Checkpoint(ctx, src, ck.images, isolation.Hooks{Frozen: func(ctx context.Context) error {
 			return copyTree(ctx, root, ck.root)
@@ -81,9 +88,20 @@ func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *Ba
 			return err
 		}
 		samples = append(samples, ms(time.Since(start)))
+		after, err := poolUsed(s.root)
+		if err != nil {
+			return err
+		}
+		storage = append(storage, float64(after-before))
+		images = append(images, float64(dirBytes(ck.images)))
 		cks = append(cks, ck)
 	}
 	br.CheckpointMS = summarize(samples)
+	changed, err := b.w.stepChangedBytes(ctx)
+	if err != nil {
+		return err
+	}
+	br.setStorage(storage, images, changed)
 	return b.copytreeRollbacks(ctx, s, cb, cks, n, br)
 }
 

@@ -10,7 +10,7 @@ import (
 	"github.com/cairn-sandbox/cairn/criu"
 )
 
-// runcPath is Debian 12's runc, which the runc_btrfs baseline drives.
+// runcPath is Debian 12's runc, which the runc_criu baseline drives.
 const runcPath = "/usr/sbin/runc"
 
 // Machine describes where a report was measured.
@@ -20,6 +20,7 @@ type Machine struct {
 	MemBytes int64  `json:"mem_bytes"`
 	CRIU     int    `json:"criu_version"`
 	Runc     string `json:"runc_version,omitempty"`
+	Runsc    string `json:"runsc_version,omitempty"`
 	Go       string `json:"go"`
 }
 
@@ -36,6 +37,11 @@ func machineInfo() Machine {
 	m.CRIU, _ = criu.Version()
 	if out, err := exec.Command(runcPath, "--version").Output(); err == nil {
 		m.Runc = strings.TrimPrefix(strings.SplitN(string(out), "\n", 2)[0], "runc version ")
+	}
+	if p, err := findRunsc(); err == nil {
+		if out, err := exec.Command(p, "--version").Output(); err == nil {
+			m.Runsc = strings.TrimPrefix(strings.SplitN(string(out), "\n", 2)[0], "runsc version ")
+		}
 	}
 	return m
 }

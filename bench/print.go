@@ -36,9 +36,10 @@ func (r *Report) Print(w io.Writer) {
 	st := r.Standby
 	fmt.Fprintf(w, "\nstandbys: %d prepared in the background (%.0f ms each on average), %d taken by rollbacks/forks, %d misses (restore path), %d evicted; prewarming 16: %.2f s\n",
 		st.StandbysPrepared, perPrepared(st), st.StandbysClaimed, st.StandbyMisses, st.StandbysEvicted, r.Prewarm16S)
+	fmt.Fprintf(w, "background work per checkpoint (off the critical path): %.1f ms\n", r.BackgroundMSPerCheckpoint)
 	s := r.StorageBytesPerCheckpoint
-	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, mean %s (process images alone: p50 %s)\n",
-		mib(s.P50), mib(s.P95), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50))
+	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s)\n",
+		mib(s.P50), mib(s.P95), mib(s.P99), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50))
 	fmt.Fprintf(w, "bytes changed by a step: %s; storage ratio %.1f\n", mib(float64(r.StepChangedBytes)), r.StorageRatio)
 	fmt.Fprintf(w, "sandbox overhead (cairn-init RSS): %s\n", mib(float64(r.OverheadRSSBytes)))
 	fmt.Fprintf(w, "correctness checks: %d passed, %d failed\n", r.Correctness.Passed, r.Correctness.Failed)
@@ -92,16 +93,37 @@ func (r *Report) printBaselines(w io.Writer) {
 		if bl.Error != "" {
 			continue
 		}
-		printStats(tw, n+" checkpoint", bl.CheckpointMS, fmt.Sprintf("%.1f×", r.Ratios[n].Checkpoint))
-		printStats(tw, n+" rollback", bl.RollbackMS, fmt.Sprintf("%.1f×", r.Ratios[n].Rollback))
+		printStats(tw, n+" checkpoint", bl.CheckpointMS, speedup(r.Ratios[n].Checkpoint))
+		printStats(tw, n+" rollback", bl.RollbackMS, speedup(r.Ratios[n].Rollback))
+		if bl.Fork16MS.N > 0 {
+			printStats(tw, n+" fork ×16", bl.Fork16MS, speedup(r.Ratios[n].Fork16))
+		}
+	}
+	tw.Flush()
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "storage per checkpoint\tp50\tp95\tp99\timages p50\tstep changes\tratio\tratio ÷ cairn\t")
+	fmt.Fprintf(tw, "cairn\t%s\t%s\t%s\t%s\t%s\t%.1f\t\t\n", mib(r.StorageBytesPerCheckpoint.P50), mib(r.StorageBytesPerCheckpoint.P95),
+		mib(r.StorageBytesPerCheckpoint.P99), mib(r.ImageBytesPerCheckpoint.P50), mib(float64(r.StepChangedBytes)), r.StorageRatio)
+	for _, n := range names {
+		bl := r.Baselines[n]
+		if bl.Error != "" {
+			continue
+		}
+		s := bl.StorageBytesPerCheckpoint
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%.1f\t%s\t\n", n, mib(s.P50), mib(s.P95), mib(s.P99),
+			mib(bl.ImageBytesPerCheckpoint.P50), mib(float64(bl.StepChangedBytes)), bl.StorageRatio, speedup(r.Ratios[n].Storage))
 	}
 	tw.Flush()
 	for _, n := range names {
 		bl := r.Baselines[n]
 		if bl.Error != "" {
 			fmt.Fprintf(w, "%s: DID NOT RUN: %s\n", n, bl.Error)
-		} else {
-			fmt.Fprintf(w, "%s: %s (%d state checks passed)\n", n, bl.Method, bl.Checks)
+			continue
+		}
+		fmt.Fprintf(w, "%s: %s (%d state checks passed)\n", n, bl.Method, bl.Checks)
+		if bl.NotMeasured != "" {
+			fmt.Fprintf(w, "  not measured: %s\n", bl.NotMeasured)
 		}
 	}
 }
@@ -112,6 +134,14 @@ func printStats(w io.Writer, name string, s Stats, extra ...string) {
 		fmt.Fprintf(w, "%s\t", e)
 	}
 	fmt.Fprintln(w)
+}
+
+// speedup formats a ratio, "-" when it is unknown.
+func speedup(r float64) string {
+	if r == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f×", r)
 }
 
 func mib(b float64) string { return fmt.Sprintf("%.2f MiB", b/(1<<20)) }

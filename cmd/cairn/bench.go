@@ -21,9 +21,13 @@ func newBenchCmd(a *app) *cobra.Command {
 		Long: `Bench runs a reference workload and reports latency percentiles of checkpoint,
 rollback, fork and create, the storage each checkpoint adds, and the correctness of
 every rollback and fork (each is checked against the state recorded at its
-checkpoint). Unless --no-baselines, the runc+btrfs and copytree baselines are
-measured in the same run, and cairn's ratios against them reported. Each backend of
---isolation runs the whole workload; the report puts them side by side.
+checkpoint). Unless --no-baselines, the baselines runc_criu (runc checkpoint/restore
+with CRIU + btrfs snapshots), runsc (gVisor's runsc checkpoint/restore + btrfs
+snapshots) and copytree are measured in the same run with the same keys (checkpoint,
+rollback, fork ×16 as p50/p95/p99, storage ratio), and cairn's ratios against them
+reported; a baseline that cannot run (say, runsc missing) records why in the report.
+The background work each checkpoint causes is reported apart from its critical path.
+Each backend of --isolation runs the whole workload; the report puts them side by side.
 
 Workload w1 is the coding-agent sandbox: an idle bash, a Python REPL holding a large
 dict, an open sqlite transaction and a suspended generator, and a git repository of
@@ -64,7 +68,7 @@ correctness check failed.`,
 	}
 	cmd.Flags().StringVar(&opts.Workload, "workload", "w1", "workload to run: w1, w2, w3 or all")
 	cmd.Flags().IntVar(&opts.Iterations, "iterations", 20, "steps (and checkpoints) of the workload")
-	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc+btrfs and copytree baselines")
+	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc_criu, runsc and copytree baselines")
 	cmd.Flags().StringSliceVar(&opts.Isolation, "isolation", []string{"container", "gvisor"}, "isolation backends to measure, side by side (the top-level figures are container's)")
 	return cmd
 }
