@@ -276,9 +276,18 @@ func (e *Engine) Fork(ctx context.Context, checkpointID string, count int) ([]*m
 	}
 	out := make([]*model.Sandbox, count)
 	errs := make([]error, count)
+	// Ready standbys first: all claimed in one transaction and thawed together.
+	warm, err := e.forkWarm(ctx, b, src, ck, count)
+	copy(out, warm)
+	if err != nil {
+		for _, sb := range warm {
+			e.Remove(context.WithoutCancel(ctx), sb.ID)
+		}
+		return nil, err
+	}
 	sem := make(chan struct{}, 4)
 	var wg sync.WaitGroup
-	for i := range out {
+	for i := len(warm); i < count; i++ {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
@@ -296,25 +305,33 @@ func (e *Engine) Fork(ctx context.Context, checkpointID string, count int) ([]*m
 		}
 		return nil, err
 	}
+	// Replace the standbys taken, once every fork runs.
+	e.refill(ck, len(warm))
 	return out, nil
 }
 
-func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sandbox, ck *model.Checkpoint) (*model.Sandbox, error) {
+// forkRecord is the record of a new fork of ck from src, before it has a root.
+func forkRecord(b isolation.Backend, src *model.Sandbox, ck *model.Checkpoint) *model.Sandbox {
 	id := newID("", 12)
+	labels := map[string]string{}
+	for k, v := range src.Labels {
+		labels[k] = v
+	}
+	return &model.Sandbox{
+		ID: id, Template: src.Template, Isolation: b.Name(), State: model.StateRunning, Hostname: id,
+		Head: ck.ID, Origin: ck.ID, Labels: labels, Limits: src.Limits, CreatedAt: time.Now().UTC(),
+		Root: rootVolume(id),
+	}
+}
+
+func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sandbox, ck *model.Checkpoint) (*model.Sandbox, error) {
+	sb := forkRecord(b, src, ck)
+	id := sb.ID
 	unlock, err := e.lock(ctx, id, true)
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	labels := map[string]string{}
-	for k, v := range src.Labels {
-		labels[k] = v
-	}
-	sb := &model.Sandbox{
-		ID: id, Template: src.Template, Isolation: b.Name(), State: model.StateRunning, Hostname: id,
-		Head: ck.ID, Origin: ck.ID, Labels: labels, Limits: src.Limits, CreatedAt: time.Now().UTC(),
-		Root: rootVolume(id),
-	}
 	identity := func(root string) error { return writeIdentity(root, id) }
 	if ok, err := e.takeStandby(ctx, sb, ck, identity); err != nil {
 		return nil, err

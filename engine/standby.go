@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path"
 	"sync"
@@ -205,6 +206,72 @@ func (e *Engine) takeStandby(ctx context.Context, sb *model.Sandbox, ck *model.C
 	}
 	e.count(func(st *Stats) { st.StandbyMisses++ })
 	return false, nil
+}
+
+// forkWarm makes up to count forks of ck from its ready standbys: one transaction
+// claims them all (each standby's row becomes a sandbox's), then each gets its identity
+// and is thawed, in parallel. It returns the forks made, none if ck has no standby. On
+// error the returned forks exist and the caller removes them. The caller refills.
+func (e *Engine) forkWarm(ctx context.Context, b isolation.Backend, src *model.Sandbox, ck *model.Checkpoint, count int) ([]*model.Sandbox, error) {
+	act, ok := b.(isolation.Activator)
+	if e.cfg.Standbys < 0 || !ok {
+		return nil, nil
+	}
+	cands, err := e.db.StandbysOf(ctx, ck.ID)
+	if err != nil {
+		return nil, err
+	}
+	var ids []string
+	var sbs []*model.Sandbox
+	for _, s := range cands {
+		if len(sbs) == count {
+			break
+		}
+		if s.Isolation != b.Name() || !b.Running(e.standbyISB(s)) {
+			continue
+		}
+		sb := forkRecord(b, src, ck)
+		sb.Root, sb.Init = s.Root, s.Init
+		ids, sbs = append(ids, s.ID), append(sbs, sb)
+	}
+	if len(sbs) == 0 {
+		return nil, nil // forkOne counts the misses
+	}
+	// Nobody can know the new IDs before the claim commits, but locks keep everyone out
+	// until each fork runs.
+	for _, sb := range sbs {
+		unlock, err := e.lock(ctx, sb.ID, true)
+		if err != nil {
+			return nil, err
+		}
+		defer unlock()
+	}
+	claimed, err := e.db.ClaimStandbys(ctx, ids, sbs)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*model.Sandbox, len(claimed))
+	errs := make([]error, len(claimed))
+	var wg sync.WaitGroup
+	for j, i := range claimed {
+		out[j] = sbs[i]
+		wg.Add(1)
+		go func(sb *model.Sandbox) {
+			defer wg.Done()
+			// Still frozen: no instruction of the copy has run yet.
+			if err := writeIdentity(e.pool.Path(sb.Root), sb.ID); err != nil {
+				errs[j] = err
+				return
+			}
+			errs[j] = act.Activate(ctx, e.isb(sb))
+		}(sbs[i])
+	}
+	wg.Wait()
+	e.count(func(st *Stats) { st.StandbysClaimed += len(out) })
+	if err := errors.Join(errs...); err != nil {
+		return out, fmt.Errorf("activate standbys of %s: %w", ck.ID, err)
+	}
+	return out, nil
 }
 
 // discard stops a standby (already removed from the table) and deletes its root.

@@ -69,6 +69,32 @@ func (s *Store) SwapStandby(ctx context.Context, standbyID string, sb *model.San
 	return true, tx.Commit()
 }
 
+// ClaimStandbys claims standbys for new sandboxes in one transaction: for each pair,
+// the standby's row is deleted and the sandbox's row written. A standby someone else
+// claimed first is skipped; the claimed pairs' indexes are returned, in order.
+func (s *Store) ClaimStandbys(ctx context.Context, standbyIDs []string, sbs []*model.Sandbox) ([]int, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer tx.Rollback()
+	var claimed []int
+	for i, id := range standbyIDs {
+		res, err := tx.ExecContext(ctx, `DELETE FROM standbys WHERE id=?`, id)
+		if err != nil {
+			return nil, err
+		}
+		if n, _ := res.RowsAffected(); n == 0 {
+			continue
+		}
+		if err := putSandbox(ctx, tx, sbs[i]); err != nil {
+			return nil, err
+		}
+		claimed = append(claimed, i)
+	}
+	return claimed, tx.Commit()
+}
+
 // Standbys lists all standbys, oldest first.
 func (s *Store) Standbys(ctx context.Context) ([]*Standby, error) {
 	return s.standbys(ctx, `ORDER BY created_at`)
