@@ -1,8 +1,10 @@
 package bench
 
 import (
+	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -22,6 +24,11 @@ type Machine struct {
 	Runc     string `json:"runc_version,omitempty"`
 	Runsc    string `json:"runsc_version,omitempty"`
 	Go       string `json:"go"`
+	// PageReporting tells whether the guest hands free memory back to its hypervisor
+	// (virtio-balloon free page reporting): then every write to freshly freed memory
+	// faults in the host, and dumps and restores run several times slower. "off" after
+	// scripts/install-deps.sh; "" on machines without it.
+	PageReporting string `json:"page_reporting,omitempty"`
 }
 
 func machineInfo() Machine {
@@ -35,6 +42,7 @@ func machineInfo() Machine {
 		m.MemBytes = int64(si.Totalram) * int64(si.Unit)
 	}
 	m.CRIU, _ = criu.Version()
+	m.PageReporting = pageReporting()
 	if out, err := exec.Command(runcPath, "--version").Output(); err == nil {
 		m.Runc = strings.TrimPrefix(strings.SplitN(string(out), "\n", 2)[0], "runc version ")
 	}
@@ -44,4 +52,17 @@ func machineInfo() Machine {
 		}
 	}
 	return m
+}
+
+// pageReporting reads the guest's free page reporting state: "on" when free blocks of
+// the reporting order (at most the buddy allocator's largest, 10) go to the hypervisor.
+func pageReporting() string {
+	b, err := os.ReadFile("/sys/module/page_reporting/parameters/page_reporting_order")
+	if err != nil {
+		return ""
+	}
+	if n, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && n > 10 {
+		return "off"
+	}
+	return "on"
 }

@@ -15,8 +15,12 @@ type engineStats = engine.Stats
 // storage figures, the baselines and cairn's ratios against them.
 func (r *Report) Print(w io.Writer) {
 	m := r.Machine
-	fmt.Fprintf(w, "workload %s, %d iterations, %.1f s; Linux %s, %d CPUs, %.1f GiB, CRIU %d, %s\n\n",
+	fmt.Fprintf(w, "workload %s, %d iterations, %.1f s; Linux %s, %d CPUs, %.1f GiB, CRIU %d, %s",
 		r.Workload, r.Iterations, r.DurationS, m.Kernel, m.CPUs, float64(m.MemBytes)/(1<<30), m.CRIU, m.Go)
+	if m.PageReporting != "" {
+		fmt.Fprintf(w, ", free page reporting %s", m.PageReporting)
+	}
+	fmt.Fprint(w, "\n\n")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "operation\tn\tp50 ms\tp95 ms\tp99 ms\tmean ms\t")
 	for _, op := range []struct {
