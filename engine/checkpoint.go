@@ -129,6 +129,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		return nil, err
 	}
 	e.refill(ck, e.cfg.Standbys)
+	e.compactLater(ck)
 	return ck, nil
 }
 
@@ -158,7 +159,7 @@ func (e *Engine) GetCheckpoint(ctx context.Context, id string) (*model.Checkpoin
 	if !validID(id) {
 		return nil, errdefs.InvalidArgument("%q is not a checkpoint ID (IDs are lowercase letters and digits)", id)
 	}
-	return e.db.Checkpoint(ctx, id)
+	return e.withDepth(e.db.Checkpoint(ctx, id))
 }
 
 // inLineage reports whether checkpoint ck may be a rollback target of sb: one of sb's own
@@ -399,7 +400,8 @@ func (e *Engine) Tree(ctx context.Context, id string) ([]*model.Checkpoint, erro
 // DeleteCheckpoint deletes a checkpoint. With children (later checkpoints branching from
 // it) it refuses unless cascade, which deletes the whole subtree; without cascade a leaf
 // is removed and nothing else changes. A deleted checkpoint's descendants never break:
-// their filesystems and images are independent copies.
+// their filesystems are independent copies, and images incremental against the deleted
+// ones are rebased first (removeImages).
 func (e *Engine) DeleteCheckpoint(ctx context.Context, id string, cascade bool) ([]string, error) {
 	ck, err := e.GetCheckpoint(ctx, id)
 	if err != nil {
@@ -425,20 +427,28 @@ func (e *Engine) DeleteCheckpoint(ctx context.Context, id string, cascade bool) 
 		victims = append(victims, c)
 	}
 	walk(ck.ID)
-	// Metadata first: once the rows are gone nobody can use the files.
-	if err := e.db.DeleteCheckpoints(ctx, victims); err != nil {
+	if err := e.deleteCheckpoints(ctx, victims); err != nil {
 		return nil, err
+	}
+	return victims, nil
+}
+
+// deleteCheckpoints deletes checkpoints, rows first: once they are gone nobody can use
+// the files. Their children are re-parented onto their parents, rows and images.
+func (e *Engine) deleteCheckpoints(ctx context.Context, victims []string) error {
+	if err := e.db.DeleteCheckpoints(ctx, victims); err != nil {
+		return err
 	}
 	e.dropStandbys(ctx, victims)
 	for _, v := range victims {
 		e.removeCheckpointFiles(ctx, v)
 	}
-	return victims, nil
+	return nil
 }
 
 func (e *Engine) removeCheckpointFiles(ctx context.Context, id string) {
 	e.removeStaged(ctx, filepath.Join(checkpointsDir, id))
-	os.RemoveAll(e.imagesPath(filepath.Join(imagesDir, id)))
+	e.removeImages(ctx, id)
 }
 
 // removeStaged removes a pool directory holding a checkpoint's "fs" volume.

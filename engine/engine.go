@@ -84,6 +84,15 @@ type Engine struct {
 	pending map[string]int
 	// prepSem serializes standby restores: they are CPU-bound and run beside sandboxes.
 	prepSem chan struct{}
+	// compactQ is the queue of checkpoints to compact, compacting whether its worker
+	// runs; both protected by bgMu. See incremental.go.
+	compactQ   []string
+	compacting bool
+	// compactMu is the in-process half of the compaction lock (lockCompaction).
+	compactMu sync.Mutex
+	// images guards image directories: CRIU restores read-lock it, rewrites of a
+	// directory's pagemaps and links lock it.
+	images *imagesGuard
 }
 
 // Open opens (creating on first use) the data directory and its pool.
@@ -131,12 +140,13 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}, prepSem: make(chan struct{}, 1)}
+	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}, prepSem: make(chan struct{}, 1),
+		images: &imagesGuard{path: filepath.Join(cfg.DataDir, "images.lock")}}
 	if err := criu.UseKdatCache(filepath.Join(cfg.DataDir, "criu")); err != nil {
 		return nil, err
 	}
 	if cb, err := container.New(cfg.InitBinary); err == nil {
-		e.backends["container"] = cb
+		e.backends["container"] = guardedContainer{Backend: cb, images: e.images}
 	} else {
 		e.backends["container"] = unavailable{name: "container", err: err}
 	}

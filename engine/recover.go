@@ -39,6 +39,7 @@ func (e *Engine) recover(ctx context.Context) error {
 	}
 	e.recoverStandbys(ctx)
 	_, err = e.sweep(ctx, false)
+	e.recoverImages(ctx)
 	return err
 }
 
@@ -217,12 +218,8 @@ func (e *Engine) GC(ctx context.Context) (*model.GCReport, error) {
 			victims = append(victims, c.ID)
 		}
 	}
-	if err := e.db.DeleteCheckpoints(ctx, victims); err != nil {
+	if err := e.deleteCheckpoints(ctx, victims); err != nil {
 		return nil, err
-	}
-	e.dropStandbys(ctx, victims)
-	for _, v := range victims {
-		e.removeCheckpointFiles(ctx, v)
 	}
 	rep.Checkpoints = victims
 	rep.Volumes, err = e.sweep(ctx, false)

@@ -50,6 +50,11 @@ type Stats struct {
 	StandbysEvicted  int     `json:"standbys_evicted"`
 	StandbyMisses    int     `json:"standby_misses"`
 	BackgroundMS     float64 `json:"background_ms"`
+	// Compactions counts image compactions (incremental.go), CompactionMS their time
+	// (also in BackgroundMS) and CompactionSavedBytes the bytes they removed.
+	Compactions          int     `json:"compactions"`
+	CompactionMS         float64 `json:"compaction_ms"`
+	CompactionSavedBytes int64   `json:"compaction_saved_bytes"`
 }
 
 // Stats returns the engine's counters.

@@ -13,6 +13,10 @@
 // The standbys table (standby.go) is a cache of restored-but-frozen copies; it is not
 // part of the versioned schema and may be dropped at any time.
 //
+// A checkpoint's method and image_bytes change once after it is written, when its images
+// are compacted against its parent's ("criu-full" becomes "criu-incremental"), and again
+// if a parent's removal rebases them.
+//
 // Times are RFC 3339 with nanoseconds, UTC. A checkpoint row is written only after its
 // filesystem and images are published under their final names, so every row refers to
 // complete state; files without a row are leftovers that recovery deletes. The database
@@ -324,6 +328,13 @@ func (s *Store) DeleteCheckpoints(ctx context.Context, ids []string) error {
 		}
 	}
 	return tx.Commit()
+}
+
+// SetCheckpointImages records that a checkpoint's images were rewritten: how they are
+// now stored (method) and their bytes on disk. A deleted checkpoint is left deleted.
+func (s *Store) SetCheckpointImages(ctx context.Context, id, method string, bytes int64) error {
+	_, err := s.db.ExecContext(ctx, `UPDATE checkpoints SET method=?, image_bytes=? WHERE id=?`, method, bytes, id)
+	return err
 }
 
 func (s *Store) checkpoints(ctx context.Context, where string, args ...any) ([]*model.Checkpoint, error) {

@@ -133,10 +133,19 @@ func describeCheckpoint(w io.Writer, ck *model.Checkpoint) error {
 		"Created", ck.CreatedAt.Local().Format("2006-01-02 15:04:05")+" ("+humanTime(ck.CreatedAt)+")",
 		"Image size", humanSize(ck.ImageBytes),
 		"Duration", fmt.Sprintf("%.1f ms", ck.DurationMS),
-		"Method", ck.Method,
+		"Method", method(ck),
 		"FS volume", ck.FSVolume,
 		"Images", ck.Images,
 	)
+}
+
+// method renders how a checkpoint's processes are stored; incremental images name the
+// chain they read through.
+func method(ck *model.Checkpoint) string {
+	if ck.ImagesDepth > 0 {
+		return fmt.Sprintf("%s (pages shared with parent %s; chain depth %d)", ck.Method, ck.Parent, ck.ImagesDepth)
+	}
+	return ck.Method
 }
 
 // expiry renders a sandbox's TTL ("-" without a daemon).

@@ -48,8 +48,13 @@ type Checkpoint struct {
 	Images     string  `json:"images"`
 	ImageBytes int64   `json:"image_bytes"`
 	DurationMS float64 `json:"duration_ms"`
-	// Method says how the process half was captured ("criu-full") and why.
+	// Method says how the process half was captured: "criu-full" (a full CRIU dump),
+	// "criu-incremental" (the dump rewritten in the background to hold only the pages
+	// that differ from its parent's images), "runsc-save" (gVisor).
 	Method string `json:"method"`
+	// ImagesDepth is, for criu-incremental, how many parent image directories a restore
+	// reads through (1: the parent's images are full).
+	ImagesDepth int `json:"images_depth,omitempty"`
 	// Isolation is the backend the checkpoint was taken with (its copies run on it).
 	Isolation string `json:"isolation,omitempty"`
 	// PhasesMS is where the critical path's time went, in milliseconds.

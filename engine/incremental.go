@@ -1,0 +1,293 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/criu/incremental"
+	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container"
+)
+
+// Incremental process images. A container checkpoint is dumped in full (CRIU cannot
+// track dirty memory on kernels without soft-dirty bits), on the critical path. Once its
+// row is committed, a background compaction rewrites its images against its parent
+// checkpoint's (package criu/incremental): pages equal to the parent's become PE_PARENT
+// and leave the directory, which gets a relative "parent" link CRIU follows at restore.
+// The row then says method "criu-incremental" and the bytes now on disk.
+//
+// Invariants:
+//   - A directory's parent link names its checkpoint's parent row (Parent), or nothing;
+//     chains are at most incremental.MaxDepth long. A checkpoint whose parent is at the
+//     maximum depth stays full and starts a new chain.
+//   - Before a checkpoint's images are removed, every directory linked to them is
+//     rebased onto their own parent (removeImages), so no survivor breaks. Rebase, rather
+//     than flatten: it copies only the pages the removed directory held itself, keeping
+//     the survivor incremental.
+//   - CRIU restores hold the images read lock (a restore reads a whole chain); the
+//     rewrites take it exclusively only around their renames.
+//   - Compactions and image removals are serialized by the compaction lock, across
+//     processes sharing the data directory: a removal never runs between a compaction's
+//     check that its parent exists and its switch.
+
+// Checkpoint methods of the container backend.
+const (
+	methodFull        = "criu-full"
+	methodIncremental = "criu-incremental"
+)
+
+// imagesGuard is a read-write lock over image directories, for this process (mu) and
+// across processes (an flock on DataDir/images.lock). Its Lock and Unlock make it the
+// sync.Locker a rewrite switches under.
+type imagesGuard struct {
+	path string
+	mu   sync.RWMutex
+	// f holds the exclusive flock; protected by mu (held for writing).
+	f *os.File
+}
+
+func flockFile(path string, how int) *os.File {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil // an unwritable data directory fails elsewhere, loudly
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), how)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil
+	}
+	return f
+}
+
+// rlock takes the read lock and returns its release.
+func (g *imagesGuard) rlock() func() {
+	g.mu.RLock()
+	f := flockFile(g.path, unix.LOCK_SH)
+	return func() {
+		if f != nil {
+			f.Close()
+		}
+		g.mu.RUnlock()
+	}
+}
+
+func (g *imagesGuard) Lock() {
+	g.mu.Lock()
+	g.f = flockFile(g.path, unix.LOCK_EX)
+}
+
+func (g *imagesGuard) Unlock() {
+	if g.f != nil {
+		g.f.Close()
+		g.f = nil
+	}
+	g.mu.Unlock()
+}
+
+// guardedContainer is the container backend with every CRIU restore under the images
+// read lock. Embedding keeps the backend's optional abilities (isolation.Activator,
+// ...) visible to type assertions.
+type guardedContainer struct {
+	*container.Backend
+	images *imagesGuard
+}
+
+func (g guardedContainer) Restore(ctx context.Context, sb *isolation.Sandbox, dir string) error {
+	defer g.images.rlock()()
+	return g.Backend.Restore(ctx, sb, dir)
+}
+
+func (g guardedContainer) RestoreFrozen(ctx context.Context, sb *isolation.Sandbox, dir string) error {
+	defer g.images.rlock()()
+	return g.Backend.RestoreFrozen(ctx, sb, dir)
+}
+
+// lockCompaction takes the compaction lock and returns its release.
+func (e *Engine) lockCompaction() func() {
+	e.compactMu.Lock()
+	f := flockFile(filepath.Join(e.cfg.DataDir, "compact.lock"), unix.LOCK_EX)
+	return func() {
+		if f != nil {
+			f.Close()
+		}
+		e.compactMu.Unlock()
+	}
+}
+
+// compactLater queues the compaction of a just-committed checkpoint. One background
+// worker compacts in commit order, so a parent is compacted before its child and the
+// child's depth is final when it is measured.
+func (e *Engine) compactLater(ck *model.Checkpoint) {
+	if ck.Method != methodFull || ck.Parent == "" {
+		return
+	}
+	e.bgMu.Lock()
+	e.compactQ = append(e.compactQ, ck.ID)
+	start := !e.compacting
+	e.compacting = true
+	e.bgMu.Unlock()
+	if start {
+		e.background(func(ctx context.Context) {
+			for {
+				e.bgMu.Lock()
+				if len(e.compactQ) == 0 {
+					e.compacting = false
+					e.bgMu.Unlock()
+					return
+				}
+				id := e.compactQ[0]
+				e.compactQ = e.compactQ[1:]
+				e.bgMu.Unlock()
+				if err := e.compact(ctx, id); err != nil {
+					e.cfg.Logf("compact the images of checkpoint %s: %v", id, err)
+				}
+			}
+		})
+	}
+}
+
+// compact rewrites checkpoint id's images against its parent's, if both still exist,
+// are CRIU images and the chain has room.
+func (e *Engine) compact(ctx context.Context, id string) error {
+	unlock := e.lockCompaction()
+	defer unlock()
+	ck, err := e.db.Checkpoint(ctx, id)
+	if err != nil || ck.Method != methodFull || ck.Parent == "" {
+		return nil // deleted meanwhile, or not a candidate
+	}
+	p, err := e.db.Checkpoint(ctx, ck.Parent)
+	if err != nil || p.Method != methodFull && p.Method != methodIncremental {
+		return nil
+	}
+	dir, pdir := e.imagesPath(ck.Images), e.imagesPath(p.Images)
+	if depth, err := incremental.Depth(pdir); err != nil || depth+1 > incremental.MaxDepth {
+		return err
+	}
+	start := time.Now()
+	before := dirBytes(dir)
+	if _, err := incremental.Compact(dir, pdir, incremental.Options{Switch: e.images}); err != nil {
+		return err
+	}
+	after := dirBytes(dir)
+	e.count(func(st *Stats) {
+		st.Compactions++
+		st.CompactionMS += float64(time.Since(start).Microseconds()) / 1000
+		st.CompactionSavedBytes += before - after
+	})
+	if linked, _ := incremental.Parent(dir); linked == "" {
+		return nil // nothing shared with the parent: stays full
+	}
+	return e.db.SetCheckpointImages(ctx, id, methodIncremental, after)
+}
+
+// removeImages removes a checkpoint's images directory after rebasing every directory
+// linked to it onto its own parent. If a rebase fails the directory is kept (a later
+// sweep retries): a leftover is better than a broken survivor.
+//
+// Preconditions: the checkpoint's row is gone (nothing new can start from it).
+func (e *Engine) removeImages(ctx context.Context, id string) {
+	dir := e.imagesPath(filepath.Join(imagesDir, id))
+	if _, err := os.Lstat(dir); err != nil {
+		return
+	}
+	unlock := e.lockCompaction()
+	defer unlock()
+	for _, child := range e.linkedTo(dir) {
+		res, err := incremental.Rebase(child, incremental.Options{Switch: e.images})
+		if err != nil {
+			e.cfg.Logf("rebase the images of %s off %s: %v (kept %s)", filepath.Base(child), id, err, dir)
+			return
+		}
+		method := methodIncremental
+		if p, _ := incremental.Parent(child); p == "" {
+			method = methodFull
+		}
+		if res.Tasks > 0 || method == methodFull {
+			e.db.SetCheckpointImages(ctx, filepath.Base(child), method, dirBytes(child))
+		}
+	}
+	e.images.Lock()
+	defer e.images.Unlock()
+	os.RemoveAll(dir)
+}
+
+// linkedTo lists the images directories whose parent link points to dir.
+func (e *Engine) linkedTo(dir string) []string {
+	ents, _ := os.ReadDir(e.imagesPath(imagesDir))
+	var out []string
+	for _, d := range ents {
+		c := e.imagesPath(filepath.Join(imagesDir, d.Name()))
+		if p, err := incremental.Parent(c); err == nil && p == dir {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// recoverImages undoes what a crash left in image directories: the temporary and
+// orphaned files of an interrupted rewrite are swept, and interrupted compactions (a
+// directory linked to its parent while its row still says full) are finished.
+func (e *Engine) recoverImages(ctx context.Context) {
+	cks, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return
+	}
+	for _, ck := range cks {
+		if ck.Method != methodFull && ck.Method != methodIncremental {
+			continue
+		}
+		dir := e.imagesPath(ck.Images)
+		if rewriteLeftovers(dir) {
+			if err := incremental.Sweep(dir); err != nil {
+				e.cfg.Logf("sweep the images of checkpoint %s: %v", ck.ID, err)
+			}
+		}
+		p, _ := incremental.Parent(dir)
+		switch {
+		case p != "" && ck.Method == methodFull:
+			e.compactLater(ck)
+		case p == "" && ck.Method == methodIncremental: // flattened by a rebase
+			e.db.SetCheckpointImages(ctx, ck.ID, methodFull, dirBytes(dir))
+		}
+	}
+}
+
+// rewriteLeftovers reports, from names alone, whether dir may hold files of an
+// interrupted rewrite: a temporary file, or more pages files than pagemaps.
+func rewriteLeftovers(dir string) bool {
+	ents, _ := os.ReadDir(dir)
+	pagemaps, pages := 0, 0
+	for _, d := range ents {
+		n := d.Name()
+		switch {
+		case strings.HasSuffix(n, ".incr-tmp"):
+			return true
+		case strings.HasPrefix(n, "pagemap-"):
+			pagemaps++
+		case strings.HasPrefix(n, "pages-"):
+			pages++
+		}
+	}
+	return pages > pagemaps
+}
+
+// withDepth fills a checkpoint's ImagesDepth from its images directory.
+func (e *Engine) withDepth(ck *model.Checkpoint, err error) (*model.Checkpoint, error) {
+	if err == nil && ck.Method == methodIncremental {
+		ck.ImagesDepth, _ = incremental.Depth(e.imagesPath(ck.Images))
+	}
+	return ck, err
+}
