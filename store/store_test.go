@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -147,5 +148,37 @@ INSERT INTO checkpoints(id, sandbox_id, created_at, fs_volume, images) VALUES('o
 	s.db.QueryRow(`SELECT value FROM meta WHERE key='schema_version'`).Scan(&v)
 	if v != SchemaVersion {
 		t.Fatalf("schema version after migration: %s", v)
+	}
+}
+
+// TestSetCheckpointImages: a compaction rewrites a checkpoint's method and bytes, and
+// leaves a deleted checkpoint deleted.
+func TestSetCheckpointImages(t *testing.T) {
+	ctx := context.Background()
+	s, err := Open(filepath.Join(t.TempDir(), "cairn.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	c := &model.Checkpoint{ID: "c1", SandboxID: "sb1", CreatedAt: time.Now().UTC(), FSVolume: "f", Images: "images/c1",
+		ImageBytes: 1000, Method: "criu-full"}
+	if err := s.AddCheckpoint(ctx, c, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetCheckpointImages(ctx, "c1", "criu-incremental", 10); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Checkpoint(ctx, "c1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Method != "criu-incremental" || got.ImageBytes != 10 {
+		t.Fatalf("after SetCheckpointImages: method %s, %d bytes", got.Method, got.ImageBytes)
+	}
+	if err := s.SetCheckpointImages(ctx, "gone", "criu-incremental", 10); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Checkpoint(ctx, "gone"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("SetCheckpointImages created a row: %v", err)
 	}
 }

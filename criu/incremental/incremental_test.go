@@ -100,12 +100,12 @@ func needCRIU(t *testing.T) string {
 
 // tree is the process tree under test: a Python parent and its forked child.
 type tree struct {
-	t    *testing.T
+	t    testing.TB
 	out  string // prefix of the files the processes write
 	pids []int  // parent, child
 }
 
-func startTree(t *testing.T, dir string) *tree {
+func startTree(t testing.TB, dir string) *tree {
 	script := filepath.Join(dir, "hold.py")
 	if err := os.WriteFile(script, []byte(holder), 0o600); err != nil {
 		t.Fatal(err)
@@ -129,7 +129,7 @@ func startTree(t *testing.T, dir string) *tree {
 	return tr
 }
 
-func waitFile(t *testing.T, path string) {
+func waitFile(t testing.TB, path string) {
 	t.Helper()
 	for i := 0; i < 3000; i++ {
 		if _, err := os.Stat(path); err == nil {
@@ -194,7 +194,7 @@ func (tr *tree) kill() {
 	}
 }
 
-func dump(t *testing.T, criuPath string, tr *tree, dir string) {
+func dump(t testing.TB, criuPath string, tr *tree, dir string) {
 	t.Helper()
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
@@ -399,6 +399,51 @@ func TestCrash(t *testing.T) {
 				t.Fatalf("flattened directory still has parent %s", p)
 			}
 			restore(t, criuPath, tr, d, s2)
+		})
+	}
+}
+
+// BenchmarkRestoreDepth measures a CRIU restore of the test tree from a full directory
+// and from incremental ones at growing chain depths (each level one ~1 MiB change per
+// process): the cost MaxDepth bounds.
+func BenchmarkRestoreDepth(b *testing.B) {
+	criuPath, err := criu.Find()
+	if err != nil || os.Geteuid() != 0 {
+		b.Skip("needs root and CRIU")
+	}
+	base := b.TempDir()
+	tr := startTree(b, base)
+	var dirs []string
+	for k := 0; k <= MaxDepth; k++ {
+		d := filepath.Join(base, fmt.Sprintf("c%d", k))
+		if k > 0 {
+			tr.change(k)
+		}
+		dump(b, criuPath, tr, d)
+		if k > 0 {
+			if _, err := Compact(d, dirs[k-1], Options{}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		dirs = append(dirs, d)
+	}
+	// The full directory of the last state, for the depth-0 baseline.
+	full := filepath.Join(base, "full")
+	dump(b, criuPath, tr, full)
+	for _, depth := range []int{0, 1, 2, 4, MaxDepth} {
+		dir := dirs[depth]
+		if depth == 0 {
+			dir = full
+		}
+		b.Run(fmt.Sprintf("depth=%d", depth), func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				tr.kill()
+				b.StartTimer()
+				if out, err := exec.Command(criuPath, "restore", "-d", "-D", dir).CombinedOutput(); err != nil {
+					b.Fatalf("restore: %v: %s", err, out)
+				}
+			}
 		})
 	}
 }
