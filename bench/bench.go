@@ -69,6 +69,13 @@ type Report struct {
 	// of the checkpoint's process images alone.
 	StorageBytesPerCheckpoint Stats `json:"storage_bytes_per_checkpoint"`
 	ImageBytesPerCheckpoint   Stats `json:"image_bytes_per_checkpoint"`
+	// DumpedImageBytesPerCheckpoint is what each checkpoint's dump wrote on its critical
+	// path, before background compaction reduced it to ImageBytesPerCheckpoint.
+	DumpedImageBytesPerCheckpoint Stats `json:"dumped_image_bytes_per_checkpoint"`
+	// StandbysHeld and StandbyMemoryBytes are the standby cache at the end of the run:
+	// frozen restored copies and the memory they hold.
+	StandbysHeld       int   `json:"standbys_held"`
+	StandbyMemoryBytes int64 `json:"standby_memory_bytes"`
 	// StepChangedBytes estimates what one step changes: the 3 edited files and git's
 	// index (each rewritten whole), the 1 MiB str added to the heap, the 10 rows.
 	StepChangedBytes int64 `json:"step_changed_bytes"`
@@ -151,6 +158,10 @@ type runner struct {
 	ckMS, rbMS []float64
 	iso        string               // isolation backend of the sandboxes created
 	phases     map[string][]float64 // checkpoint phase timings, by phase
+	// stepCks are the checkpoints of the measured steps and stepFS the pool bytes each
+	// added; their images are measured again once background compaction is done.
+	stepCks []string
+	stepFS  []float64
 }
 
 func (b *runner) phase(format string, args ...any) {
@@ -221,6 +232,7 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 	defer func() {
 		b.e.Quiesce()
 		b.rep.Standby = statsDelta(before, b.e.Stats())
+		b.rep.StandbysHeld, b.rep.StandbyMemoryBytes, _ = b.e.StandbyMemory(context.WithoutCancel(ctx))
 	}()
 	b.phase("%d steps, each followed by a checkpoint", n)
 	if err := b.measureSteps(ctx, n); err != nil {
@@ -234,6 +246,9 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 	// whole and not in the forks that follow.
 	b.e.Quiesce()
 	b.rep.BackgroundMSPerCheckpoint = statsDelta(before, b.e.Stats()).BackgroundMS / float64(len(b.ckMS))
+	if err := b.finishStorage(ctx); err != nil {
+		return err
+	}
 	for _, f := range []struct {
 		count, reps int
 		out         *Stats

@@ -62,7 +62,7 @@ func (w *w1) checkpoint(ctx context.Context) (*model.Checkpoint, time.Duration, 
 // measured as the pool's used-bytes delta around it.
 func (b *runner) measureSteps(ctx context.Context, n int) error {
 	root := b.e.PoolPath("")
-	var storage, images []float64
+	var dumped []float64
 	for i := 0; i < n; i++ {
 		if err := b.w.step(ctx); err != nil {
 			return err
@@ -83,20 +83,38 @@ func (b *runner) measureSteps(ctx context.Context, n int) error {
 			return err
 		}
 		b.ckMS = append(b.ckMS, ms(d))
-		// The filesystem half shares extents in the pool; the images are whole files in
-		// the data directory, outside it.
-		storage = append(storage, float64(after-before+ck.ImageBytes))
-		images = append(images, float64(ck.ImageBytes))
+		// The filesystem half shares extents in the pool; the images are files in the
+		// data directory, outside it.
+		b.stepCks = append(b.stepCks, ck.ID)
+		b.stepFS = append(b.stepFS, float64(after-before))
+		dumped = append(dumped, float64(ck.ImageBytes))
 	}
-	b.rep.StorageBytesPerCheckpoint = summarize(storage)
-	b.rep.ImageBytesPerCheckpoint = summarize(images)
+	b.rep.DumpedImageBytesPerCheckpoint = summarize(dumped)
 	changed, err := b.w.stepChangedBytes(ctx)
 	if err != nil {
 		return err
 	}
 	b.rep.StepChangedBytes = changed
-	if changed > 0 {
-		b.rep.StorageRatio = b.rep.StorageBytesPerCheckpoint.Mean / float64(changed)
+	return nil
+}
+
+// finishStorage measures the storage of the steps' checkpoints once the background work
+// (compaction of their images against their parents') is done: pool bytes each added
+// plus its images' bytes now on disk.
+func (b *runner) finishStorage(ctx context.Context) error {
+	var storage, images []float64
+	for i, id := range b.stepCks {
+		ck, err := b.e.GetCheckpoint(ctx, id)
+		if err != nil {
+			return err
+		}
+		storage = append(storage, b.stepFS[i]+float64(ck.ImageBytes))
+		images = append(images, float64(ck.ImageBytes))
+	}
+	b.rep.StorageBytesPerCheckpoint = summarize(storage)
+	b.rep.ImageBytesPerCheckpoint = summarize(images)
+	if b.rep.StepChangedBytes > 0 {
+		b.rep.StorageRatio = b.rep.StorageBytesPerCheckpoint.Mean / float64(b.rep.StepChangedBytes)
 	}
 	return nil
 }

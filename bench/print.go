@@ -40,10 +40,14 @@ func (r *Report) Print(w io.Writer) {
 	st := r.Standby
 	fmt.Fprintf(w, "\nstandbys: %d prepared in the background (%.0f ms each on average), %d taken by rollbacks/forks, %d misses (restore path), %d evicted; prewarming 16: %.2f s\n",
 		st.StandbysPrepared, perPrepared(st), st.StandbysClaimed, st.StandbyMisses, st.StandbysEvicted, r.Prewarm16S)
+	fmt.Fprintf(w, "standbys held at the end: %d, %s of memory\n", r.StandbysHeld, mib(float64(r.StandbyMemoryBytes)))
 	fmt.Fprintf(w, "background work per checkpoint (off the critical path): %.1f ms\n", r.BackgroundMSPerCheckpoint)
+	if st.Compactions > 0 {
+		fmt.Fprintf(w, "images compacted against their parent's: %d, %.0f ms each on average\n", st.Compactions, st.CompactionMS/float64(st.Compactions))
+	}
 	s := r.StorageBytesPerCheckpoint
-	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s)\n",
-		mib(s.P50), mib(s.P95), mib(s.P99), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50))
+	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s; dumped on the critical path: p50 %s)\n",
+		mib(s.P50), mib(s.P95), mib(s.P99), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50), mib(r.DumpedImageBytesPerCheckpoint.P50))
 	fmt.Fprintf(w, "bytes changed by a step: %s; storage ratio %.1f\n", mib(float64(r.StepChangedBytes)), r.StorageRatio)
 	fmt.Fprintf(w, "sandbox overhead (cairn-init RSS): %s\n", mib(float64(r.OverheadRSSBytes)))
 	fmt.Fprintf(w, "correctness checks: %d passed, %d failed\n", r.Correctness.Passed, r.Correctness.Failed)
@@ -59,7 +63,7 @@ func perPrepared(st engineStats) float64 {
 	if st.StandbysPrepared == 0 {
 		return 0
 	}
-	return st.BackgroundMS / float64(st.StandbysPrepared)
+	return st.StandbyPrepareMS / float64(st.StandbysPrepared)
 }
 
 // printSearch writes the W2 and W3 results, if any.

@@ -50,6 +50,8 @@ type Stats struct {
 	StandbysEvicted  int     `json:"standbys_evicted"`
 	StandbyMisses    int     `json:"standby_misses"`
 	BackgroundMS     float64 `json:"background_ms"`
+	// StandbyPrepareMS is the time spent restoring standbys (background or Prewarm).
+	StandbyPrepareMS float64 `json:"standby_prepare_ms"`
 	// Compactions counts image compactions (incremental.go), CompactionMS their time
 	// (also in BackgroundMS) and CompactionSavedBytes the bytes they removed.
 	Compactions          int     `json:"compactions"`
@@ -127,6 +129,7 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	// One restore at a time: they are CPU-bound, and sandboxes run meanwhile.
 	e.prepSem <- struct{}{}
 	defer func() { <-e.prepSem }()
+	start := time.Now()
 	sid := newID("s", 11)
 	unlock, err := e.lock(ctx, sid, true)
 	if err != nil {
@@ -142,13 +145,24 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 		e.pool.Delete(context.WithoutCancel(ctx), root)
 		return fmt.Errorf("standby of %s: %w", ck.ID, err)
 	}
+	// The cache is bounded by the memory standbys hold; the images' size on disk says
+	// little about it once they are incremental.
+	bytes := ck.ImageBytes
+	if mr, ok := b.(isolation.MemoryReporter); ok {
+		if n, err := mr.MemoryBytes(isb); err == nil && n > 0 {
+			bytes = n
+		}
+	}
 	s := &store.Standby{ID: sid, Checkpoint: ck.ID, Isolation: iso, Root: root, Init: isb.Init,
-		Bytes: ck.ImageBytes, CreatedAt: time.Now().UTC().Format(time.RFC3339Nano)}
+		Bytes: bytes, CreatedAt: time.Now().UTC().Format(time.RFC3339Nano)}
 	if err := e.db.AddStandby(ctx, s); err != nil {
 		e.discard(context.WithoutCancel(ctx), s)
 		return err
 	}
-	e.count(func(st *Stats) { st.StandbysPrepared++ })
+	e.count(func(st *Stats) {
+		st.StandbysPrepared++
+		st.StandbyPrepareMS += float64(time.Since(start).Microseconds()) / 1000
+	})
 	e.evictStandbys(ctx)
 	return nil
 }
@@ -378,6 +392,20 @@ func (e *Engine) recoverStandbys(ctx context.Context) {
 // of replaced trees) is done. Benchmarks and tests use it to measure or exercise the
 // warm path; nothing else needs it.
 func (e *Engine) Quiesce() { e.bgWG.Wait() }
+
+// StandbyMemory returns how many standbys are ready and the memory they hold, in bytes
+// (bounded by Config.StandbyBudget and Config.MaxStandbys).
+func (e *Engine) StandbyMemory(ctx context.Context) (int, int64, error) {
+	all, err := e.db.Standbys(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	var n int64
+	for _, s := range all {
+		n += s.Bytes
+	}
+	return len(all), n, nil
+}
 
 // StandbyCount returns how many standbys of a checkpoint are ready.
 func (e *Engine) StandbyCount(ctx context.Context, checkpointID string) (int, error) {

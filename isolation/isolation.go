@@ -66,6 +66,13 @@ type Activator interface {
 	Activate(ctx context.Context, sb *Sandbox) error
 }
 
+// MemoryReporter is implemented by backends that can tell how much memory a sandbox's
+// processes hold; the engine sizes its standby cache with it.
+type MemoryReporter interface {
+	// MemoryBytes is the anonymous memory resident for the sandbox's processes.
+	MemoryBytes(sb *Sandbox) (int64, error)
+}
+
 // Proc identifies a host process across PID reuse.
 type Proc struct {
 	Pid       int    `json:"pid"`

@@ -209,3 +209,20 @@ func setFreezer(id, state string) error {
 		time.Sleep(min(delay, 2*time.Millisecond))
 	}
 }
+
+// MemoryBytes is the anonymous memory resident in the sandbox's memory cgroup
+// (memory.stat total_rss): what its processes hold, without the page cache they read.
+func (b *Backend) MemoryBytes(sb *isolation.Sandbox) (int64, error) {
+	data, err := os.ReadFile(filepath.Join(ctrlDir("memory", sb.CgroupName()), "memory.stat"))
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(l, "total_rss "); ok {
+			return strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("memory cgroup of %s: no total_rss in memory.stat", sb.ID)
+}
+
+var _ isolation.MemoryReporter = (*Backend)(nil)
