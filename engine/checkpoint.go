@@ -87,8 +87,8 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		t := time.Now()
 		err := e.pool.Snapshot(ctx, sb.Root, stagedFS, true)
 		phase("fs_snapshot", time.Since(t))
-		if err == nil && os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-frozen" {
-			crashForTest()
+		if err == nil {
+			crashPoint("checkpoint-frozen")
 		}
 		return err
 	}})
@@ -96,9 +96,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		cleanup()
 		return nil, err
 	}
-	if os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-staged" {
-		crashForTest()
-	}
+	crashPoint("checkpoint-staged")
 	// Publish both halves under their final names; the metadata row written next is what
 	// makes the checkpoint exist.
 	t := time.Now()
@@ -115,9 +113,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		cleanup()
 		return nil, fmt.Errorf("publish checkpoint images: %w", err)
 	}
-	if os.Getenv("CAIRN_TEST_CRASH_AT") == "checkpoint-published" {
-		crashForTest()
-	}
+	crashPoint("checkpoint-published")
 	ck.ImageBytes = dirBytes(e.imagesPath(ck.Images))
 	ck.CreatedAt = time.Now().UTC()
 	sb.Head = ck.ID
@@ -133,12 +129,15 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	return ck, nil
 }
 
-// crashForTest kills the process where a test asked (CAIRN_TEST_CRASH_AT), to prove
-// that a SIGKILL at that line leaves no half checkpoint.
-func crashForTest() {
-	p, _ := os.FindProcess(os.Getpid())
-	p.Kill()
-	select {}
+// crashPoint kills the process when CAIRN_TEST_CRASH_AT names this point, so tests can
+// prove that a SIGKILL at that line leaves no half-written state (the points of
+// criu/incremental's rewrites are named there, with the same variable).
+func crashPoint(name string) {
+	if os.Getenv("CAIRN_TEST_CRASH_AT") == name {
+		p, _ := os.FindProcess(os.Getpid())
+		p.Kill()
+		select {}
+	}
 }
 
 func dirBytes(dir string) int64 {

@@ -162,6 +162,7 @@ func (e *Engine) compactLater(ck *model.Checkpoint) {
 // compact rewrites checkpoint id's images against its parent's, if both still exist,
 // are CRIU images and the chain has room.
 func (e *Engine) compact(ctx context.Context, id string) error {
+	crashPoint("compact-start")
 	unlock := e.lockCompaction()
 	defer unlock()
 	ck, err := e.db.Checkpoint(ctx, id)
@@ -181,6 +182,7 @@ func (e *Engine) compact(ctx context.Context, id string) error {
 	if _, err := incremental.Compact(dir, pdir, incremental.Options{Switch: e.images}); err != nil {
 		return err
 	}
+	crashPoint("compact-done")
 	after := dirBytes(dir)
 	e.count(func(st *Stats) {
 		st.Compactions++
@@ -211,6 +213,7 @@ func (e *Engine) removeImages(ctx context.Context, id string) {
 			e.cfg.Logf("rebase the images of %s off %s: %v (kept %s)", filepath.Base(child), id, err, dir)
 			return
 		}
+		crashPoint("rebase-done")
 		method := methodIncremental
 		if p, _ := incremental.Parent(child); p == "" {
 			method = methodFull
@@ -238,10 +241,14 @@ func (e *Engine) linkedTo(dir string) []string {
 }
 
 // recoverImages undoes what a crash left in image directories: the temporary and
-// orphaned files of an interrupted rewrite are swept, and interrupted compactions (a
-// directory linked to its parent while its row still says full) are finished.
+// orphaned files of an interrupted rewrite are swept, compactions that did not finish
+// are queued again, and rows a rebase changed the images of without recording it are
+// brought in line with the disk. It holds the compaction lock, so that no rewrite of
+// another process sharing the data directory runs between its look and its update.
 func (e *Engine) recoverImages(ctx context.Context) {
-	cks, err := e.db.Checkpoints(ctx)
+	unlock := e.lockCompaction()
+	defer unlock()
+	cks, err := e.db.Checkpoints(ctx) // in commit order: parents queued before children
 	if err != nil {
 		return
 	}
@@ -255,12 +262,23 @@ func (e *Engine) recoverImages(ctx context.Context) {
 				e.cfg.Logf("sweep the images of checkpoint %s: %v", ck.ID, err)
 			}
 		}
-		p, _ := incremental.Parent(dir)
-		switch {
-		case p != "" && ck.Method == methodFull:
+		// The compaction queue lives in memory: a crash loses the compactions not yet
+		// done (not begun, begun but not linked, linked but not all switched, done but
+		// not recorded). Every full checkpoint with a parent is queued again; compact
+		// decides cheaply when there is nothing to do (a chain at its limit, a parent
+		// gone), and otherwise a full one is compared once more.
+		if ck.Method == methodFull && ck.Parent != "" {
 			e.compactLater(ck)
-		case p == "" && ck.Method == methodIncremental: // flattened by a rebase
-			e.db.SetCheckpointImages(ctx, ck.ID, methodFull, dirBytes(dir))
+			continue
+		}
+		// A rebase rewrites its directory before its row (removeImages): a crash
+		// between them leaves the row's method (flattened to full) or bytes stale.
+		method := methodIncremental
+		if p, _ := incremental.Parent(dir); p == "" {
+			method = methodFull
+		}
+		if n := dirBytes(dir); method != ck.Method || n != ck.ImageBytes {
+			e.db.SetCheckpointImages(ctx, ck.ID, method, n)
 		}
 	}
 }
@@ -282,6 +300,27 @@ func rewriteLeftovers(dir string) bool {
 		}
 	}
 	return pages > pagemaps
+}
+
+// imageLeftovers lists, as data-directory-relative paths, the files interrupted
+// rewrites left in checkpoints' image directories (what recoverImages sweeps).
+func (e *Engine) imageLeftovers() []string {
+	var out []string
+	ents, _ := os.ReadDir(e.imagesPath(imagesDir))
+	for _, d := range ents {
+		if strings.HasPrefix(d.Name(), stagingDir+"-") {
+			continue // a checkpoint's own staging, which sweep lists
+		}
+		rel := filepath.Join(imagesDir, d.Name())
+		l, err := incremental.Leftovers(e.imagesPath(rel))
+		if err != nil {
+			out = append(out, rel+": "+err.Error())
+		}
+		for _, f := range l {
+			out = append(out, filepath.Join(rel, f))
+		}
+	}
+	return out
 }
 
 // withDepth fills a checkpoint's ImagesDepth from its images directory.

@@ -227,8 +227,9 @@ func (e *Engine) GC(ctx context.Context) (*model.GCReport, error) {
 }
 
 // Leftovers lists what recovery would remove now (staging directories, unrecorded
-// checkpoints, unreferenced roots); empty in a consistent data directory.
+// checkpoints, unreferenced roots, files of interrupted image rewrites); empty in a
+// consistent data directory.
 func (e *Engine) Leftovers() []string {
 	l, _ := e.sweep(context.Background(), true)
-	return l
+	return append(l, e.imageLeftovers()...)
 }

@@ -624,6 +624,43 @@ func Sweep(dir string) error {
 	return removeOrphans(dir)
 }
 
+// Leftovers lists the files Sweep would remove from dir now (none in a directory no
+// rewrite was interrupted in). A directory being rewritten now is skipped.
+func Leftovers(dir string) ([]string, error) {
+	release, err := lockDir(dir, unix.LOCK_SH|unix.LOCK_NB)
+	if errors.Is(err, unix.EWOULDBLOCK) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	used := map[uint32]bool{}
+	for _, d := range ents {
+		n := d.Name()
+		if strings.HasSuffix(n, tmpSuffix) {
+			out = append(out, n)
+		} else if strings.HasPrefix(n, "pagemap-") && strings.HasSuffix(n, ".img") {
+			id, _, err := readPagemap(filepath.Join(dir, n))
+			if err != nil {
+				return nil, err
+			}
+			used[id] = true
+		}
+	}
+	for _, d := range ents {
+		if id, ok := pagesID(d.Name()); ok && !used[id] {
+			out = append(out, d.Name())
+		}
+	}
+	return out, nil
+}
+
 // lockDir takes a flock (how: LOCK_EX or LOCK_SH) on dir and returns its release.
 func lockDir(dir string, how int) (func(), error) {
 	f, err := os.Open(dir)

@@ -255,6 +255,9 @@ func checkClean(t *testing.T, dir string) {
 			used[id] = true
 		}
 	}
+	if l, err := Leftovers(dir); err != nil || len(l) > 0 {
+		t.Errorf("%s: Leftovers says %v, %v", dir, l, err)
+	}
 	for _, e := range ents {
 		if strings.HasSuffix(e.Name(), tmpSuffix) {
 			t.Errorf("%s: leftover %s", dir, e.Name())
@@ -358,6 +361,11 @@ func TestCrash(t *testing.T) {
 		var ee *exec.ExitError
 		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 			t.Fatalf("%s at %s: want a SIGKILL, got %v: %s", op, at, err, out)
+		}
+		// Every crash point follows a write: there is something to sweep.
+		dir := strings.Split(op, ":")[1]
+		if l, err := Leftovers(dir); err != nil || len(l) == 0 {
+			t.Fatalf("%s at %s: Leftovers says %v, %v; want the crash's files", op, at, l, err)
 		}
 	}
 	for i, at := range []string{"incremental-pages", "incremental-pagemap", "incremental-link", "incremental-switch"} {
