@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"time"
@@ -141,6 +142,7 @@ func (e *Engine) compactLater(ck *model.Checkpoint) {
 	e.bgMu.Unlock()
 	if start {
 		e.background(func(ctx context.Context) {
+			lowPriorityThread()
 			for {
 				e.bgMu.Lock()
 				if len(e.compactQ) == 0 {
@@ -329,4 +331,13 @@ func (e *Engine) withDepth(ck *model.Checkpoint, err error) (*model.Checkpoint, 
 		ck.ImagesDepth, _ = incremental.Depth(e.imagesPath(ck.Images))
 	}
 	return ck, err
+}
+
+// lowPriorityThread runs the calling goroutine, until it returns, on a thread of its own
+// at the lowest CPU priority (nice 19), so background work yields to sandboxes and to
+// the critical path of checkpoints. The thread is never unlocked: it ends with the
+// goroutine instead of going back, niced, to the runtime's pool.
+func lowPriorityThread() {
+	runtime.LockOSThread()
+	unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), 19)
 }
