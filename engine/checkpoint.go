@@ -76,7 +76,12 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		os.RemoveAll(stagedImages)
 	}
 	phases := map[string]float64{}
-	phase := func(name string, d time.Duration) { phases[name] = float64(d.Microseconds()) / 1000 }
+	var phaseMu sync.Mutex // the backend may report while the frozen hook runs
+	phase := func(name string, d time.Duration) {
+		phaseMu.Lock()
+		phases[name] = float64(d.Microseconds()) / 1000
+		phaseMu.Unlock()
+	}
 	start := time.Now()
 	// Flush the root's dirty data before freezing, so the snapshot inside the freeze has
 	// little left to write. The pool holds only filesystems (images live elsewhere), so

@@ -35,19 +35,30 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 		}
 		hooks.Report("thaw", t)
 	}()
-	if hooks.Frozen != nil {
-		if err := hooks.Frozen(ctx); err != nil {
-			return err
+	// The frozen hook (the filesystem snapshot: I/O) runs while CRIU dumps the tree (CPU):
+	// both read a state that cannot change until the thaw.
+	frozen := make(chan error, 1)
+	go func() {
+		if hooks.Frozen == nil {
+			frozen <- nil
+			return
 		}
-	}
+		frozen <- hooks.Frozen(ctx)
+	}()
 	t = time.Now()
-	defer hooks.Report("dump", t)
-	return criu.Dump(ctx, criu.DumpOptions{
+	derr := criu.Dump(ctx, criu.DumpOptions{
 		Pid:          sb.Init.Pid,
 		ImagesDir:    dir,
 		FreezeCgroup: ctrlDir("freezer", sb.CgroupName()),
 		NetNS:        fmt.Sprintf("/proc/%d/ns/net", sb.Init.Pid),
 	})
+	d := time.Since(t)
+	ferr := <-frozen
+	hooks.Report("dump", time.Now().Add(-d))
+	if ferr != nil {
+		return ferr
+	}
+	return derr
 }
 
 // Restore implements isolation.Backend.
