@@ -151,6 +151,41 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request) error {
 	return writeJSON(w, http.StatusCreated, out)
 }
 
+// prewarm prepares standbys of a checkpoint and answers once they are ready, with the
+// checkpoint's ready count then (which may be lower than asked: the cache's bounds
+// evict oldest first, and backends without standbys, like gvisor, prepare none).
+func (s *Server) prewarm(w http.ResponseWriter, r *http.Request) error {
+	var req client.PrewarmRequest
+	if err := decode(w, r, &req, true); err != nil {
+		return err
+	}
+	count := 1 // absent: the documented default
+	if req.Count != nil {
+		count = *req.Count
+	}
+	ckID := r.PathValue("id")
+	if err := s.op("prewarm", func() error { return s.eng.Prewarm(r.Context(), ckID, count) }); err != nil {
+		return err
+	}
+	n, err := s.eng.StandbyCount(r.Context(), ckID)
+	if err != nil {
+		return err
+	}
+	return writeJSON(w, http.StatusOK, client.Standbys{Checkpoint: ckID, Standbys: n})
+}
+
+func (s *Server) standbys(w http.ResponseWriter, r *http.Request) error {
+	ckID := r.PathValue("id")
+	if _, err := s.eng.GetCheckpoint(r.Context(), ckID); err != nil {
+		return err
+	}
+	n, err := s.eng.StandbyCount(r.Context(), ckID)
+	if err != nil {
+		return err
+	}
+	return writeJSON(w, http.StatusOK, client.Standbys{Checkpoint: ckID, Standbys: n})
+}
+
 func (s *Server) diff(w http.ResponseWriter, r *http.Request) error {
 	var changes []model.Change
 	err := s.op("diff", func() (err error) {

@@ -65,7 +65,7 @@ func (m *metrics) handler() http.Handler {
 }
 
 // stateCollector reports, at scrape time, sandboxes by state, sessions, event
-// subscribers and pool usage.
+// subscribers, pool usage and the standby cache.
 type stateCollector struct{ s *Server }
 
 var (
@@ -73,6 +73,8 @@ var (
 	sessionsDesc    = prometheus.NewDesc("cairn_sessions", "Sandboxes whose lifetime the daemon tracks.", nil, nil)
 	subscribersDesc = prometheus.NewDesc("cairn_event_subscribers", "Open GET /v1/events streams.", nil, nil)
 	poolDesc        = prometheus.NewDesc("cairn_pool_bytes", "Size and free space of the btrfs pool.", []string{"kind"}, nil)
+	standbysDesc    = prometheus.NewDesc("cairn_standbys", "Standbys held: checkpoints restored ahead of time, frozen, ready for a rollback or fork.", nil, nil)
+	standbyMemDesc  = prometheus.NewDesc("cairn_standby_memory_bytes", "Memory the standbys hold (bounded by the engine's standby budget).", nil, nil)
 )
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -80,6 +82,8 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- sessionsDesc
 	ch <- subscribersDesc
 	ch <- poolDesc
+	ch <- standbysDesc
+	ch <- standbyMemDesc
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
@@ -100,6 +104,10 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(sessionsDesc, prometheus.GaugeValue, float64(c.s.sessions.count()))
 	ch <- prometheus.MustNewConstMetric(subscribersDesc, prometheus.GaugeValue, float64(c.s.broker.count()))
+	if n, bytes, err := c.s.eng.StandbyMemory(ctx); err == nil {
+		ch <- prometheus.MustNewConstMetric(standbysDesc, prometheus.GaugeValue, float64(n))
+		ch <- prometheus.MustNewConstMetric(standbyMemDesc, prometheus.GaugeValue, float64(bytes))
+	}
 	var st unix.Statfs_t
 	if unix.Statfs(c.s.poolDir, &st) == nil {
 		bs := float64(st.Bsize)

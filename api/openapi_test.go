@@ -208,6 +208,10 @@ func TestOpenAPIAgreement(t *testing.T) {
 	if got := replValue(t, c, sb.ID, h, "x"); got != "41" {
 		t.Fatalf("x after rollback = %s, want 41", got)
 	}
+	_, err = c.Prewarm(ctx, c1.ID, 1)
+	must(err)
+	_, err = c.Standbys(ctx, c1.ID)
+	must(err)
 	kids, err := c.Fork(ctx, c1.ID, client.ForkRequest{Count: 1, Labels: map[string]string{"kid": "1"}})
 	must(err)
 	if len(kids) != 1 || kids[0].Labels["kid"] != "1" || kids[0].Labels["test"] != "openapi" || kids[0].RunID != "r1" {

@@ -54,6 +54,8 @@ var routes = []route{
 	{"GET /v1/checkpoints/{id}", (*Server).getCheckpoint},
 	{"DELETE /v1/checkpoints/{id}", (*Server).deleteCheckpoint},
 	{"POST /v1/checkpoints/{id}/fork", (*Server).fork},
+	{"POST /v1/checkpoints/{id}/prewarm", (*Server).prewarm},
+	{"GET /v1/checkpoints/{id}/standbys", (*Server).standbys},
 	{"GET /v1/checkpoints/{id}/diff/{to}", (*Server).diff},
 	{"GET /v1/templates", (*Server).listTemplates},
 	{"POST /v1/templates", (*Server).buildTemplate},

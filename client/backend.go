@@ -34,6 +34,10 @@ type Backend interface {
 	Checkpoint(ctx context.Context, id, label string) (*Checkpoint, error)
 	Rollback(ctx context.Context, id, checkpoint string) (*Sandbox, error)
 	Fork(ctx context.Context, checkpoint string, req ForkRequest) ([]*Sandbox, error)
+	// Prewarm prepares count standbys of a checkpoint and returns how many are ready;
+	// Standbys only counts them.
+	Prewarm(ctx context.Context, checkpoint string, count int) (int, error)
+	Standbys(ctx context.Context, checkpoint string) (int, error)
 	Tree(ctx context.Context, id string) (*Tree, error)
 	GetCheckpoint(ctx context.Context, id string) (*Checkpoint, error)
 	DeleteCheckpoint(ctx context.Context, id string, cascade bool) ([]string, error)

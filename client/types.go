@@ -179,6 +179,22 @@ type ForkRequest struct {
 	Lifetime
 }
 
+// PrewarmRequest is the body of POST /v1/checkpoints/{id}/prewarm. Count (1 to 256) is
+// how many standbys to prepare; absent, 1. A pointer, so that an explicit 0 is refused
+// rather than taken for the default.
+type PrewarmRequest struct {
+	Count *int `json:"count,omitempty"`
+}
+
+// Standbys is the body of POST /v1/checkpoints/{id}/prewarm and GET
+// /v1/checkpoints/{id}/standbys: how many standbys of the checkpoint are ready. A
+// standby is the checkpoint restored ahead of time and kept frozen, so that a rollback
+// or fork to it is a thaw (milliseconds) instead of a restore.
+type Standbys struct {
+	Checkpoint string `json:"checkpoint"`
+	Standbys   int    `json:"standbys"`
+}
+
 // Tree is the body of GET /v1/sandboxes/{id}/tree: the checkpoints of a sandbox's
 // lineage, oldest first.
 type Tree struct {

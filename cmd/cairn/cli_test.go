@@ -260,6 +260,7 @@ func scenario(t *testing.T) string {
 	if got := waitStdout(t, id, p, func(s string) bool { return strings.HasSuffix(s, "\n") }); got != "41\n" {
 		t.Fatalf("x after rollback: stdout %q, want \"41\\n\"", got)
 	}
+	prewarm(t)
 	forks := ok(t, "fork", c1, "--count", "2").lines()
 	if len(forks) != 2 || !idRE.MatchString(forks[0]) || !idRE.MatchString(forks[1]) || forks[0] == forks[1] {
 		t.Fatalf("fork --count 2 printed %q", forks)
@@ -290,6 +291,42 @@ func scenario(t *testing.T) string {
 	}
 	wantCode(t, cairn(t, "inspect", id), 3, "inspect removed sandbox")
 	return id
+}
+
+// prewarm prepares standbys of a container sandbox's checkpoint with cairn prewarm:
+// two, then one more, which finds the first two still there (in process, they outlive
+// the cairn that made them). On gvisor ($CAIRN_TEST_ISOLATION) the count stays 0.
+func prewarm(t *testing.T) {
+	t.Helper()
+	id := newSandbox(t, "--isolation", "container")
+	ck := ok(t, "checkpoint", id).lastLine()
+	var doc struct {
+		Sandbox struct {
+			Isolation string `json:"isolation"`
+		} `json:"sandbox"`
+	}
+	decodeOne(t, ok(t, "--json", "inspect", id).stdout, &doc)
+	var pw struct {
+		Checkpoint string `json:"checkpoint"`
+		Standbys   int    `json:"standbys"`
+	}
+	decodeOne(t, ok(t, "--json", "prewarm", ck, "-n", "2").stdout, &pw)
+	warm := doc.Sandbox.Isolation != "gvisor"
+	if pw.Checkpoint != ck || (warm && pw.Standbys < 2) || (!warm && pw.Standbys != 0) {
+		t.Fatalf("prewarm --json -n 2 of a %s checkpoint: %+v", doc.Sandbox.Isolation, pw)
+	}
+	r := ok(t, "prewarm", ck)
+	var got int
+	if _, err := fmt.Sscanf(r.stdout, ck+": %d standby(s) ready", &got); err != nil ||
+		(warm && got < pw.Standbys+1) || (!warm && got != 0) {
+		t.Fatalf("prewarm after %d standbys (%s): %s", pw.Standbys, doc.Sandbox.Isolation, r)
+	}
+	if !strings.Contains(r.stderr, "preparing 1 standby(s) of "+ck) {
+		t.Fatalf("prewarm shows no progress on stderr: %s", r)
+	}
+	// A rollback takes a standby: the sandbox runs on.
+	ok(t, "rollback", id, ck)
+	ok(t, "exec", id, "--", "true")
 }
 
 // decodeOne parses s as exactly one JSON document.
@@ -343,7 +380,7 @@ func TestJSONEverywhere(t *testing.T) {
 		{"template", "ls"}, {"ps", id}, {"logs", id, p}, {"files", "write", id, "/workspace/f"},
 		{"files", "cat", id, "/workspace/f"}, {"files", "ls", id, "/workspace"},
 		{"files", "stat", id, "/workspace/f"}, {"files", "rm", id, "/workspace/f"},
-		{"kill", "--signal", "KILL", id, p}, {"ckpt", "ls", id}, {"ckpt", "inspect", ck1.ID},
+		{"kill", "--signal", "KILL", id, p}, {"ckpt", "ls", id}, {"ckpt", "inspect", ck1.ID}, {"prewarm", ck1.ID},
 		{"stop", fk[0].ID}, {"rm", fk[0].ID}, {"ckpt", "rm", ck2.ID}, {"gc"},
 	}
 	for _, v := range verbs {
@@ -388,7 +425,7 @@ func TestExitCodePassthrough(t *testing.T) {
 
 func TestBadInput(t *testing.T) {
 	// Usage errors need no engine.
-	for _, args := range [][]string{{"exec"}, {"fork"}, {"ls", "--bogus"}, {"nosuchverb"}, {"rollback", "a"}, {"template", "nosuch"}} {
+	for _, args := range [][]string{{"exec"}, {"fork"}, {"ls", "--bogus"}, {"nosuchverb"}, {"rollback", "a"}, {"template", "nosuch"}, {"prewarm"}, {"prewarm", "a", "b"}} {
 		r := cairn(t, args...)
 		wantCode(t, r, 2, "cairn "+strings.Join(args, " "))
 		if !strings.HasPrefix(r.stderr, "cairn: ") {
@@ -403,6 +440,9 @@ func TestBadInput(t *testing.T) {
 	}
 	wantCode(t, cairn(t, "exec", "nosuchsandbox0", "--", "true"), 3, "exec in unknown sandbox")
 	wantCode(t, cairn(t, "fork", "nosuchckpt0", "--count", "0"), 2, "fork --count 0")
+	wantCode(t, cairn(t, "prewarm", "nosuchckpt0", "-n", "0"), 2, "prewarm -n 0")
+	wantCode(t, cairn(t, "prewarm", "nosuchckpt0", "-n", "257"), 2, "prewarm -n 257")
+	wantCode(t, cairn(t, "prewarm", "nosuchckpt0"), 3, "prewarm of an unknown checkpoint")
 	wantCode(t, cairn(t, "inspect", "Not-An-ID"), 2, "malformed ID")
 	wantCode(t, cairn(t, "create", "--memory", "lots"), 2, "bad --memory")
 }

@@ -153,6 +153,20 @@ func (l local) Fork(ctx context.Context, ck string, req client.ForkRequest) ([]*
 	return views(sbs), nil
 }
 
+func (l local) Prewarm(ctx context.Context, ck string, count int) (int, error) {
+	if err := l.e.Prewarm(ctx, ck, count); err != nil {
+		return 0, err
+	}
+	return l.e.StandbyCount(ctx, ck)
+}
+
+func (l local) Standbys(ctx context.Context, ck string) (int, error) {
+	if _, err := l.e.GetCheckpoint(ctx, ck); err != nil {
+		return 0, err
+	}
+	return l.e.StandbyCount(ctx, ck)
+}
+
 func (l local) Tree(ctx context.Context, id string) (*client.Tree, error) {
 	sb, err := l.e.Get(ctx, id)
 	if err != nil {

@@ -167,7 +167,7 @@ func newRootCmd(a *app) *cobra.Command {
 	pf.StringVar(&a.poolImage, "pool-image", os.Getenv("CAIRN_POOL_IMAGE"), `advanced: pool image file, "none" to use --pool-dir as is (default DATA_DIR/pool.img; env CAIRN_POOL_IMAGE)`)
 	root.AddCommand(
 		newCreateCmd(a), newExecCmd(a), newStdinCmd(a), newCheckpointCmd(a), newRollbackCmd(a),
-		newForkCmd(a), newTreeCmd(a), newRmCmd(a), newLsCmd(a), newInspectCmd(a), newDiffCmd(a),
+		newForkCmd(a), newPrewarmCmd(a), newTreeCmd(a), newRmCmd(a), newLsCmd(a), newInspectCmd(a), newDiffCmd(a),
 		newTemplateCmd(a), newPsCmd(a), newLogsCmd(a), newKillCmd(a), newFilesCmd(a),
 		newResumeCmd(a), newStopCmd(a), newGCCmd(a), newCkptCmd(a), newBenchCmd(a),
 	)

@@ -3,7 +3,8 @@
 
 Once: create a sandbox, warm it up (a Python REPL loads its "environment": a big table
 in memory, a file on disk), checkpoint it ("warm"), and fork N sandboxes from that warm
-checkpoint. Then, each episode, in all N sandboxes in parallel: take a few steps (send
+checkpoint, then prewarm N standbys of it (restored, frozen copies: a reset that takes
+one is a thaw). Then, each episode, in all N sandboxes in parallel: take a few steps (send
 actions to the REPL, read rewards back, touch files), then roll each sandbox back to the
 warm checkpoint — memory, processes and files — instead of rebuilding it. The first
 observation of every episode shows the reset worked (step counter 0, no leftover file).
@@ -73,6 +74,13 @@ def main():
         print("forked %d envs from %s in %.2f s: %s" % (len(envs), warm.id, time.monotonic() - t,
                                                          " ".join(e.id for e in envs)))
         procs = [e.process(repl.handle) for e in envs]  # each fork's copy of the REPL
+        # One standby per env: the first reset of every env is then a thaw (milliseconds)
+        # rather than a restore; each taken standby is replaced in the background for the
+        # next episode. It costs a restore per standby now and their memory while held.
+        t = time.monotonic()
+        ready = warm.prewarm(count=args.envs)
+        print("prewarmed %s: %d standbys ready in %.2f s%s" % (warm.id, ready, time.monotonic() - t,
+                                                             "" if ready else " (none on this isolation backend)"))
 
         def episode(i, ep):
             rng = random.Random(ep * 1000 + i)

@@ -331,6 +331,29 @@ class TestAPI(E2E):
             self.c._t.call("PUT", "/v1/health", json_body={})
         self.assertEqual(cm.exception.status, 405)
 
+    def test_prewarm(self):
+        """Prewarm makes standbys of a container checkpoint ready; a rollback to it still
+        brings the REPL's state back; unknown checkpoints and bad counts raise."""
+        sb = self.create(isolation="container")
+        repl = sb.spawn(["python3", "-i", "-u"])
+        repl.send("x = 41; print('X', x)\n")
+        repl.read_until("X 41")
+        ck = sb.checkpoint(label="warm")
+        n = ck.prewarm(count=2)
+        self.assertGreaterEqual(n, 2)  # plus any the daemon made in the background
+        self.assertGreaterEqual(self.c.standbys(ck.id), 2)
+        repl.send("x += 1\n")
+        sb.rollback(ck)
+        repl.send("print('Y', x)\n")
+        self.assertIn("Y 41", repl.read_until("Y 41"))
+        with self.assertRaises(cairn.NotFound):
+            self.c.prewarm("nosuchckpt0")
+        with self.assertRaises(cairn.NotFound):
+            self.c.standbys("nosuchckpt0")
+        with self.assertRaises(cairn.InvalidArgument) as cm:
+            self.c._t.call("POST", "/v1/checkpoints/%s/prewarm" % ck.id, json_body={"count": 0})
+        self.assertEqual(cm.exception.status, 400)
+
     def test_tcp_token(self):
         url = "http://" + S["tcp"]
         with cairn.Client(url, token=S["token"]) as c:
@@ -448,6 +471,7 @@ class TestExamples(E2E):
     def test_rl_reset(self):
         text = self._example("rl_reset.py", "--envs", "2", "--episodes", "2", "--steps", "2")
         self.assertIn("episode 1:", text)
+        self.assertRegex(text, r"prewarmed \w+: \d+ standbys ready")
         self.assertIn("RESULT 2 episodes x 2 envs", text)
         self.assertIn("destroyed 3 sandboxes", text)
 

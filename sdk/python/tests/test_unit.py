@@ -470,6 +470,38 @@ class TestFakeUnix(FakeTestCase):
         with self.assertRaises(cairn.InvalidArgument):
             t.get("c3").fork(count=0)
 
+    def test_prewarm_and_standbys(self):
+        ready = {"c1": 1}
+
+        @self.fake.route("POST", "/v1/checkpoints/c1/prewarm")
+        def _(h, req):
+            ready["c1"] += req.json()["count"]
+            h.send_json(200, {"checkpoint": "c1", "standbys": ready["c1"]})
+
+        @self.fake.route("GET", "/v1/checkpoints/c1/standbys")
+        def _(h, req):
+            h.send_json(200, {"checkpoint": "c1", "standbys": ready["c1"]})
+
+        @self.fake.route("POST", "/v1/checkpoints/gone/prewarm")
+        def _(h, req):
+            h.problem(404, "not_found", 'checkpoint "gone" not found')
+
+        self.assertEqual(self.c.prewarm("c1"), 2)
+        self.assertEqual(self.fake.requests[-1].json(), {"count": 1})
+        ck = cairn.Checkpoint(self.c, {"id": "c1"})
+        self.assertEqual(ck.prewarm(count=16), 18)
+        self.assertEqual(self.fake.requests[-1].json(), {"count": 16})
+        self.assertEqual(self.c.standbys("c1"), 18)
+        self.assertEqual(ck.standbys(), 18)
+        self.assertEqual(self.fake.requests[-1].method, "GET")
+        with self.assertRaises(cairn.NotFound):
+            self.c.prewarm("gone", 2)
+        sent = len(self.fake.requests)
+        for bad in (0, -1, 257):
+            with self.assertRaises(cairn.InvalidArgument):
+                self.c.prewarm("c1", bad)
+        self.assertEqual(len(self.fake.requests), sent)  # refused before asking the daemon
+
     def test_keepalive_reuse_and_stale_connections(self):
         @self.fake.route("GET", "/v1/health")
         def _(h, req):
