@@ -39,10 +39,13 @@ func TestPrewarm(t *testing.T) {
 	if got, err := c.Standbys(ctx, ck.ID); err != nil || got < 2 {
 		t.Fatalf("standbys after prewarm 2: %d, %v", got, err)
 	}
-	// An absent count is 1.
+	// An absent count is 1, which 2 ready standbys already cover: prewarm tops up.
 	st := postJSON(t, d, "/v1/checkpoints/"+ck.ID+"/prewarm", ``, http.StatusOK)
-	if st.Checkpoint != ck.ID || st.Standbys < 3 {
+	if st.Checkpoint != ck.ID || st.Standbys < 2 {
 		t.Fatalf("prewarm without a body: %+v", st)
+	}
+	if n, err := c.Prewarm(ctx, ck.ID, 3); err != nil || n < 3 {
+		t.Fatalf("prewarm 3: %d standbys, %v", n, err)
 	}
 	send(t, c, sb.ID, h, "x += 1")
 	if v := replValue(t, c, sb.ID, h, "x"); v != "42" {
@@ -77,7 +80,7 @@ func TestPrewarm(t *testing.T) {
 	}
 }
 
-// TestPrewarmGVisor: a gvisor checkpoint has no standbys; prewarm succeeds and says so.
+// TestPrewarmGVisor: a gvisor checkpoint has no standbys; prewarm says so.
 func TestPrewarmGVisor(t *testing.T) {
 	d := startDaemon(t, nil)
 	ctx := context.Background()
@@ -89,8 +92,11 @@ func TestPrewarmGVisor(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, err := d.c.Prewarm(ctx, ck.ID, 1); err != nil || n != 0 {
-		t.Fatalf("prewarm of a gvisor checkpoint: %d standbys, %v", n, err)
+	if n, err := d.c.Prewarm(ctx, ck.ID, 1); !errorsIs(err, errdefs.ErrFailedPrecondition) {
+		t.Fatalf("prewarm of a gvisor checkpoint: %d standbys, %v; want failed_precondition", n, err)
+	}
+	if n, err := d.c.Standbys(ctx, ck.ID); err != nil || n != 0 {
+		t.Fatalf("standbys of a gvisor checkpoint: %d, %v; want 0", n, err)
 	}
 }
 

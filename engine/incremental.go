@@ -3,9 +3,11 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -325,12 +327,45 @@ func (e *Engine) imageLeftovers() []string {
 	return out
 }
 
-// withDepth fills a checkpoint's ImagesDepth from its images directory.
+// withDepth fills a checkpoint's ImagesDepth from its images directory, and its
+// MethodReason.
 func (e *Engine) withDepth(ck *model.Checkpoint, err error) (*model.Checkpoint, error) {
-	if err == nil && ck.Method == methodIncremental {
-		ck.ImagesDepth, _ = incremental.Depth(e.imagesPath(ck.Images))
+	if err != nil {
+		return ck, err
 	}
-	return ck, err
+	const dumped = "full CRIU dump on the critical path (this kernel has no soft-dirty bits for CRIU to dump only what changed)"
+	switch ck.Method {
+	case methodIncremental:
+		ck.ImagesDepth, _ = incremental.Depth(e.imagesPath(ck.Images))
+		ck.MethodReason = fmt.Sprintf("%s, compacted in the background: pages equal to parent %s's are read from its images (chain depth %d of at most %d)",
+			dumped, ck.Parent, ck.ImagesDepth, incremental.MaxDepth)
+	case methodFull:
+		ck.MethodReason = dumped + ", kept full: " + e.whyFull(ck)
+	case "runsc-save":
+		ck.MethodReason = "gVisor: runsc saves the whole sandbox, kernel state included; its images are not compacted"
+	}
+	return ck, nil
+}
+
+// whyFull says why a container checkpoint's images are not incremental.
+func (e *Engine) whyFull(ck *model.Checkpoint) string {
+	if ck.Parent == "" {
+		return "it has no parent checkpoint to share pages with"
+	}
+	e.bgMu.Lock()
+	queued := e.compacting && slices.Contains(e.compactQ, ck.ID)
+	e.bgMu.Unlock()
+	if queued {
+		return "its compaction against parent " + ck.Parent + " is queued (background)"
+	}
+	p, err := e.db.Checkpoint(context.Background(), ck.Parent)
+	if err != nil || p.Method != methodFull && p.Method != methodIncremental {
+		return "its parent " + ck.Parent + " has no CRIU images"
+	}
+	if d, err := incremental.Depth(e.imagesPath(p.Images)); err == nil && d+1 > incremental.MaxDepth {
+		return fmt.Sprintf("its parent's image chain is at the maximum depth (%d): a new chain starts here", incremental.MaxDepth)
+	}
+	return "not compacted against parent " + ck.Parent + " (yet: compaction runs in the background of the process that took it)"
 }
 
 // lowPriorityThread runs the calling goroutine, until it returns, on a thread of its own

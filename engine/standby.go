@@ -72,9 +72,11 @@ func (e *Engine) count(f func(*Stats)) {
 	e.bgMu.Unlock()
 }
 
-// Prewarm prepares n standbys of a checkpoint now (in parallel, bounded), so that the
-// next n rollbacks or forks to it are thaws. Typical use: before resetting a batch of
-// RL sandboxes to one warm checkpoint.
+// Prewarm makes n standbys of a checkpoint ready now, counting those already ready (in
+// parallel, bounded), so that the next n rollbacks or forks to it are thaws. Typical
+// use: before resetting a batch of RL sandboxes to one warm checkpoint. Calling it again
+// with the same n prepares nothing more. The cache's bounds still apply: more than it
+// holds evicts the oldest standbys, these included.
 func (e *Engine) Prewarm(ctx context.Context, checkpointID string, n int) error {
 	if n < 1 || n > MaxFork {
 		return errdefs.InvalidArgument("prewarm count %d: give 1 to %d", n, MaxFork)
@@ -83,10 +85,29 @@ func (e *Engine) Prewarm(ctx context.Context, checkpointID string, n int) error 
 	if err != nil {
 		return err
 	}
-	errs := make([]error, n)
+	if e.cfg.Standbys < 0 {
+		return errdefs.FailedPrecondition("standbys are turned off in this engine: rollbacks and forks of %s restore it with CRIU", ck.ID)
+	}
+	iso, _ := e.sourceOf(ctx, ck)
+	b, err := e.backend(iso)
+	if err != nil {
+		return err
+	}
+	if _, ok := b.(isolation.FrozenRestorer); !ok {
+		return errdefs.FailedPrecondition("%s checkpoints have no standbys: rollbacks and forks of %s restore it (container isolation has thaw-speed standbys)", iso, ck.ID)
+	}
+	ready, err := e.db.StandbysOf(ctx, ck.ID)
+	if err != nil {
+		return err
+	}
+	todo := n - len(ready)
+	if todo <= 0 {
+		return nil
+	}
+	errs := make([]error, todo)
 	sem := make(chan struct{}, 2)
 	var wg sync.WaitGroup
-	for i := 0; i < n; i++ {
+	for i := 0; i < todo; i++ {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
@@ -96,12 +117,7 @@ func (e *Engine) Prewarm(ctx context.Context, checkpointID string, n int) error 
 		}(i)
 	}
 	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // sourceOf returns the isolation and limits a checkpoint's copies run with.

@@ -294,8 +294,8 @@ func scenario(t *testing.T) string {
 }
 
 // prewarm prepares standbys of a container sandbox's checkpoint with cairn prewarm:
-// two, then one more, which finds the first two still there (in process, they outlive
-// the cairn that made them). On gvisor ($CAIRN_TEST_ISOLATION) the count stays 0.
+// two, then three, which finds the first two still there (in process, they outlive the
+// cairn that made them) and tops up.
 func prewarm(t *testing.T) {
 	t.Helper()
 	id := newSandbox(t, "--isolation", "container")
@@ -315,13 +315,13 @@ func prewarm(t *testing.T) {
 	if pw.Checkpoint != ck || (warm && pw.Standbys < 2) || (!warm && pw.Standbys != 0) {
 		t.Fatalf("prewarm --json -n 2 of a %s checkpoint: %+v", doc.Sandbox.Isolation, pw)
 	}
-	r := ok(t, "prewarm", ck)
+	r := ok(t, "prewarm", ck, "-n", "3")
 	var got int
 	if _, err := fmt.Sscanf(r.stdout, ck+": %d standby(s) ready", &got); err != nil ||
-		(warm && got < pw.Standbys+1) || (!warm && got != 0) {
-		t.Fatalf("prewarm after %d standbys (%s): %s", pw.Standbys, doc.Sandbox.Isolation, r)
+		(warm && got < 3) || (!warm && got != 0) {
+		t.Fatalf("prewarm -n 3 after %d standbys (%s): %s", pw.Standbys, doc.Sandbox.Isolation, r)
 	}
-	if !strings.Contains(r.stderr, "preparing 1 standby(s) of "+ck) {
+	if !strings.Contains(r.stderr, "making 3 standby(s) of "+ck+" ready") {
 		t.Fatalf("prewarm shows no progress on stderr: %s", r)
 	}
 	// A rollback takes a standby: the sandbox runs on.
@@ -380,7 +380,7 @@ func TestJSONEverywhere(t *testing.T) {
 		{"template", "ls"}, {"ps", id}, {"logs", id, p}, {"files", "write", id, "/workspace/f"},
 		{"files", "cat", id, "/workspace/f"}, {"files", "ls", id, "/workspace"},
 		{"files", "stat", id, "/workspace/f"}, {"files", "rm", id, "/workspace/f"},
-		{"kill", "--signal", "KILL", id, p}, {"ckpt", "ls", id}, {"ckpt", "inspect", ck1.ID}, {"prewarm", ck1.ID},
+		{"kill", "--signal", "KILL", id, p}, {"ckpt", "ls", id}, {"ckpt", "inspect", ck1.ID},
 		{"stop", fk[0].ID}, {"rm", fk[0].ID}, {"ckpt", "rm", ck2.ID}, {"gc"},
 	}
 	for _, v := range verbs {
@@ -399,6 +399,24 @@ func TestJSONEverywhere(t *testing.T) {
 	decodeOne(t, r.stdout, &e)
 	if e.Error.Code != "not_found" || !strings.Contains(e.Error.Message, "nosuchsandbox0") {
 		t.Fatalf("error JSON: %+v", e)
+	}
+	// prewarm: the ready count on container; gvisor has no standbys, and says so in JSON.
+	var doc struct {
+		Sandbox struct {
+			Isolation string `json:"isolation"`
+		} `json:"sandbox"`
+	}
+	decodeOne(t, ok(t, "--json", "inspect", id).stdout, &doc)
+	if doc.Sandbox.Isolation != "gvisor" {
+		var pw any
+		decodeOne(t, ok(t, "--json", "prewarm", ck1.ID).stdout, &pw)
+		return
+	}
+	r = cairn(t, "--json", "prewarm", ck1.ID)
+	wantCode(t, r, 5, "prewarm of a gvisor checkpoint --json")
+	decodeOne(t, r.stdout, &e)
+	if e.Error.Code != "failed_precondition" || !strings.Contains(e.Error.Message, "no standbys") {
+		t.Fatalf("prewarm error JSON: %+v", e)
 	}
 }
 

@@ -142,6 +142,9 @@ func describeCheckpoint(w io.Writer, ck *model.Checkpoint) error {
 // method renders how a checkpoint's processes are stored; incremental images name the
 // chain they read through.
 func method(ck *model.Checkpoint) string {
+	if ck.MethodReason != "" {
+		return ck.Method + ": " + ck.MethodReason
+	}
 	if ck.ImagesDepth > 0 {
 		return fmt.Sprintf("%s (pages shared with parent %s; chain depth %d)", ck.Method, ck.Parent, ck.ImagesDepth)
 	}

@@ -17,8 +17,9 @@ func newPrewarmCmd(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "prewarm [flags] CHECKPOINT",
 		Short: "Prepare standbys of a checkpoint so the next rollbacks and forks to it are fast",
-		Long: `Prewarm prepares COUNT standbys of a checkpoint and returns once they are ready. A
-standby is the checkpoint restored ahead of time (a CRIU restore onto its own copy of
+		Long: `Prewarm makes COUNT standbys of a checkpoint ready — those already ready count, so
+running it twice with the same COUNT prepares nothing more — and returns once they
+are. A standby is the checkpoint restored ahead of time (a CRIU restore onto its own copy of
 the filesystem) and kept frozen before any of its instructions has run. The next
 COUNT rollbacks or forks to the checkpoint each take one: a thaw of a few
 milliseconds instead of a restore of ~150 ms. A taken standby is replaced in the
@@ -28,10 +29,11 @@ Use it before resetting a batch of sandboxes to one checkpoint (RL environments)
 before forking many sandboxes from it. Without prewarm, each new checkpoint gets one
 standby in the background, and a rollback or fork that finds none restores.
 
-Cost: one restore per standby now (~0.1-0.5 s each, one at a time), and the memory
-of each standby's processes for as long as it is held. Standbys are a cache bounded
-by the engine's standby budget (memory and count); beyond it the oldest are evicted.
-Standbys are prepared for the container backend only (gvisor has none).
+Cost: one restore per standby made now (~0.1-0.5 s each, one at a time), and the
+memory of each standby's processes for as long as it is held. Standbys are a cache
+bounded by the engine's standby budget (memory and count); beyond it the oldest are
+evicted. Only the container backend has standbys: for a gvisor checkpoint, or when
+standbys are turned off, prewarm fails with failed_precondition.
 
 It prints the number of standbys of the checkpoint ready afterwards (it may be lower
 than COUNT when the budget evicted some); --json prints {"checkpoint", "standbys"}.`,
@@ -49,7 +51,7 @@ than COUNT when the budget evicted some); --json prints {"checkpoint", "standbys
 			}
 			start := time.Now()
 			if !a.json {
-				fmt.Fprintf(cmd.ErrOrStderr(), "preparing %d standby(s) of %s (a restore each)...\n", count, args[0])
+				fmt.Fprintf(cmd.ErrOrStderr(), "making %d standby(s) of %s ready (a restore each one missing)...\n", count, args[0])
 			}
 			n, err := e.Prewarm(cmd.Context(), args[0], count)
 			if err != nil {
@@ -62,6 +64,6 @@ than COUNT when the budget evicted some); --json prints {"checkpoint", "standbys
 			})
 		},
 	}
-	cmd.Flags().IntVarP(&count, "count", "n", 1, fmt.Sprintf("number of standbys to prepare (1 to %d)", engine.MaxFork))
+	cmd.Flags().IntVarP(&count, "count", "n", 1, fmt.Sprintf("number of standbys to have ready (1 to %d)", engine.MaxFork))
 	return cmd
 }

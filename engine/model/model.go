@@ -55,6 +55,9 @@ type Checkpoint struct {
 	// ImagesDepth is, for criu-incremental, how many parent image directories a restore
 	// reads through (1: the parent's images are full).
 	ImagesDepth int `json:"images_depth,omitempty"`
+	// MethodReason says, in a sentence, why the checkpoint is stored as Method (filled
+	// when one checkpoint is read, e.g. by `cairn inspect`).
+	MethodReason string `json:"method_reason,omitempty"`
 	// Isolation is the backend the checkpoint was taken with (its copies run on it).
 	Isolation string `json:"isolation,omitempty"`
 	// PhasesMS is where the critical path's time went, in milliseconds.

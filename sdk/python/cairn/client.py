@@ -234,8 +234,9 @@ class Client:
         return [Sandbox(self, s) for s in (d or {}).get("sandboxes") or []]
 
     def prewarm(self, checkpoint: Union["Checkpoint", str], count: int = 1) -> int:
-        """Prepare ``count`` standbys of a checkpoint (1 to 256) and return, once they are
-        ready, how many standbys of it are ready.
+        """Make ``count`` standbys of a checkpoint ready (1 to 256; those already ready
+        count, so a repeated call prepares nothing more) and return, once they are, how
+        many standbys of it are ready.
 
         A standby is the checkpoint restored ahead of time and kept frozen: the next
         ``count`` rollbacks or forks to it are thaws (2-3 ms) instead of restores
@@ -244,10 +245,9 @@ class Client:
         one at a time; the call waits, so mind the client's ``timeout``) and holds its
         processes' memory until taken or evicted: the daemon's standby budget bounds the
         cache, oldest evicted first, so the count returned may be lower than asked.
-        gvisor sandboxes have no standbys (the count stays 0).
-
         Raises :class:`NotFound` for an unknown checkpoint, :class:`InvalidArgument` for
-        a count outside 1 to 256.
+        a count outside 1 to 256, :class:`FailedPrecondition` for a gvisor checkpoint
+        (gvisor has no standbys) or a daemon with standbys turned off.
         """
         ck = checkpoint.id if isinstance(checkpoint, Checkpoint) else str(checkpoint)
         if not 1 <= int(count) <= 256:
@@ -944,9 +944,9 @@ class Checkpoint:
         return self.client.fork(self, count, **kw)
 
     def prewarm(self, count: int = 1) -> int:
-        """Prepare ``count`` standbys of this checkpoint, so that the next ``count``
-        rollbacks or forks to it are thaws; return how many are ready (see
-        :meth:`Client.prewarm`)."""
+        """Make ``count`` standbys of this checkpoint ready (those already ready count),
+        so that the next ``count`` rollbacks or forks to it are thaws; return how many
+        are ready (see :meth:`Client.prewarm`)."""
         return self.client.prewarm(self, count)
 
     def standbys(self) -> int:
