@@ -179,7 +179,7 @@ func rollback(t *testing.T, h Harness, id, ck string) {
 func fork(t *testing.T, h Harness, ck string, n int) []string {
 	t.Helper()
 	if h.Warm && n > 1 {
-		if err := h.Engine.Prewarm(context.Background(), ck, n-1); err != nil {
+		if err := h.Engine.Prewarm(context.Background(), ck, n); err != nil {
 			t.Fatalf("prewarm: %v", err)
 		}
 	}
