@@ -142,7 +142,8 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	if !ok {
 		return nil
 	}
-	// One restore at a time: they are CPU-bound, and sandboxes run meanwhile.
+	// A bounded number at a time (Config.StandbyRestores): they are CPU-bound, and
+	// sandboxes run meanwhile.
 	e.prepSem <- struct{}{}
 	defer func() { <-e.prepSem }()
 	start := time.Now()
