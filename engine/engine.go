@@ -22,7 +22,6 @@ import (
 	"os"
 	"path"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"time"
@@ -58,9 +57,11 @@ type Config struct {
 	// MaxStandbys their number (DefaultMaxStandbys).
 	StandbyBudget int64
 	MaxStandbys   int
-	// StandbyRestores is how many standby restores run at once, at nice 19 (default:
-	// the number of CPUs). More keep more standbys ready behind a busy loop (W3 on 2
-	// CPUs: 33 resets/s with 2, 18 with 1) at the cost of background CPU.
+	// StandbyRestores is how many standby restores run at once, at nice 19 (default 1).
+	// More keep more standbys ready behind a busy loop, at the cost of checkpoint
+	// latency: on 2 CPUs, 2 took W3 from 18 to 33 resets/s and W2's rollback p99 from
+	// 289 to 6.5 ms, but W1's checkpoint p50 from ~79 to ~92 ms (the restores compete
+	// for memory bandwidth and the page allocator with the dump, nice or not).
 	StandbyRestores int
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)
@@ -128,7 +129,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		cfg.StandbyBudget = DefaultStandbyBudget
 	}
 	if cfg.StandbyRestores <= 0 {
-		cfg.StandbyRestores = runtime.NumCPU()
+		cfg.StandbyRestores = 1
 	}
 	if cfg.MaxStandbys == 0 {
 		cfg.MaxStandbys = DefaultMaxStandbys

@@ -142,8 +142,8 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	if !ok {
 		return nil
 	}
-	// A bounded number at a time (Config.StandbyRestores): they are CPU-bound, and
-	// sandboxes run meanwhile.
+	// A bounded number at a time (Config.StandbyRestores, default 1): sandboxes and
+	// their checkpoints run meanwhile.
 	e.prepSem <- struct{}{}
 	defer func() { <-e.prepSem }()
 	start := time.Now()

@@ -29,7 +29,7 @@ Use it before resetting a batch of sandboxes to one checkpoint (RL environments)
 before forking many sandboxes from it. Without prewarm, each new checkpoint gets one
 standby in the background, and a rollback or fork that finds none restores.
 
-Cost: one restore per standby made now (~0.1-0.5 s each, one per CPU at a time), and the
+Cost: one restore per standby made now (~0.1-0.5 s each, one at a time by default), and the
 memory of each standby's processes for as long as it is held. Standbys are a cache
 bounded by the engine's standby budget (memory and count); beyond it the oldest are
 evicted. Only the container backend has standbys: for a gvisor checkpoint, or when

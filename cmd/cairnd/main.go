@@ -40,6 +40,7 @@ func main() {
 	flag.DurationVar(&cfg.API.MaxTTL, "max-ttl", 24*time.Hour, "longest TTL a sandbox may ask for")
 	flag.DurationVar(&cfg.API.IdleTimeout, "idle-timeout", 30*time.Minute, "pause a sandbox after this long without API activity (0: never)")
 	flag.DurationVar(&cfg.API.Tick, "session-tick", time.Second, "advanced: how often TTLs and idle timers are checked")
+	flag.IntVar(&cfg.Engine.StandbyRestores, "standby-restores", 1, "standby restores run at once in the background: more keep more standbys ready for rollbacks and forks, at some cost to checkpoint latency")
 	flag.StringVar(&cfg.OnShutdown, "on-shutdown", "keep", "what happens to running sandboxes at shutdown: keep or pause")
 	flag.BoolVar(&logJSON, "log-json", false, "log JSON lines instead of text")
 	flag.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")

@@ -242,7 +242,7 @@ class Client:
         ``count`` rollbacks or forks to it are thaws (2-3 ms) instead of restores
         (~150 ms). Call it before resetting a batch of sandboxes to one checkpoint (RL
         environments) or before a wide fork. Each standby costs a restore now (~0.1-0.5 s,
-        one per CPU at a time; the call waits, so mind the client's ``timeout``) and holds its
+        one at a time by default; the call waits, so mind the client's ``timeout``) and holds its
         processes' memory until taken or evicted: the daemon's standby budget bounds the
         cache, oldest evicted first, so the count returned may be lower than asked.
         Raises :class:`NotFound` for an unknown checkpoint, :class:`InvalidArgument` for
