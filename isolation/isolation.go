@@ -84,9 +84,7 @@ type ProcSpec = initctl.ProcSpec
 
 // Hooks are called by Checkpoint while the sandbox's processes are frozen.
 type Hooks struct {
-	// Frozen captures the filesystem; an error aborts the checkpoint and thaws. It may
-	// run concurrently with the dump of the processes, and with Phase calls from the
-	// backend that happen before it returns.
+	// Frozen captures the filesystem; an error aborts the checkpoint and thaws.
 	Frozen func(ctx context.Context) error
 	// Phase, if set, is told how long each phase took ("freeze", "dump", "thaw").
 	Phase func(name string, d time.Duration)

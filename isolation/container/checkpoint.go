@@ -18,6 +18,11 @@ import (
 // Checkpoint implements isolation.Backend: freeze → hooks.Frozen → CRIU dump (leave
 // running) → thaw. The thaw runs whatever happened, so a failed checkpoint leaves the
 // sandbox running as it was.
+//
+// The hook (the filesystem snapshot) runs before CRIU starts, not beside it: running
+// both at once saved ~5-10 ms, but a crash of cairn inside the hook then left CRIU
+// mid-dump with the tree seized, and the crash tests found the sandbox dead after
+// recovery.
 func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir string, hooks isolation.Hooks) (err error) {
 	if !b.Running(sb) {
 		return errdefs.FailedPrecondition("sandbox %s is not running", sb.ID)
@@ -35,30 +40,19 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 		}
 		hooks.Report("thaw", t)
 	}()
-	// The frozen hook (the filesystem snapshot: I/O) runs while CRIU dumps the tree (CPU):
-	// both read a state that cannot change until the thaw.
-	frozen := make(chan error, 1)
-	go func() {
-		if hooks.Frozen == nil {
-			frozen <- nil
-			return
+	if hooks.Frozen != nil {
+		if err := hooks.Frozen(ctx); err != nil {
+			return err
 		}
-		frozen <- hooks.Frozen(ctx)
-	}()
+	}
 	t = time.Now()
-	derr := criu.Dump(ctx, criu.DumpOptions{
+	defer hooks.Report("dump", t)
+	return criu.Dump(ctx, criu.DumpOptions{
 		Pid:          sb.Init.Pid,
 		ImagesDir:    dir,
 		FreezeCgroup: ctrlDir("freezer", sb.CgroupName()),
 		NetNS:        fmt.Sprintf("/proc/%d/ns/net", sb.Init.Pid),
 	})
-	d := time.Since(t)
-	ferr := <-frozen
-	hooks.Report("dump", time.Now().Add(-d))
-	if ferr != nil {
-		return ferr
-	}
-	return derr
 }
 
 // Restore implements isolation.Backend.
