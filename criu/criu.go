@@ -77,6 +77,22 @@ type DumpOptions struct {
 	// routes, iptables and sysctls cost ~30-45 ms of external tools per dump; only the
 	// sockets are dumped. Restore runs CRIU in a fresh namespace for the tree.
 	NetNS string
+	// PostDump, if set, is called when CRIU has written the images and still holds the
+	// tree, before it lets the tasks go (its post-dump notification).
+	PostDump func()
+}
+
+// dumpNotify passes CRIU's post-dump notification to DumpOptions.PostDump.
+type dumpNotify struct {
+	gocriu.NoNotify
+	post func()
+}
+
+func (n dumpNotify) PostDump() error {
+	if n.post != nil {
+		n.post()
+	}
+	return nil
 }
 
 // RestoreOptions are the options of a restore.
@@ -194,7 +210,7 @@ func Dump(ctx context.Context, opts DumpOptions) error {
 	defer cleanup()
 	c := gocriu.MakeCriu()
 	c.SetCriuPath(run)
-	if err := retryBusy(func() error { return c.Dump(ro, gocriu.NoNotify{}) }); err != nil {
+	if err := retryBusy(func() error { return c.Dump(ro, dumpNotify{post: opts.PostDump}) }); err != nil {
 		return explain("dump", err, filepath.Join(opts.ImagesDir, "dump.log"))
 	}
 	return nil

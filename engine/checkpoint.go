@@ -96,7 +96,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 			crashPoint("checkpoint-frozen")
 		}
 		return err
-	}})
+	}, Dumped: func() { crashPoint("checkpoint-dumped") }})
 	if err != nil {
 		cleanup()
 		return nil, err

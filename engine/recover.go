@@ -69,9 +69,10 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	roots := map[string]bool{}
+	roots, ids := map[string]bool{}, map[string]bool{}
 	for _, sb := range sbs {
 		roots[sb.Root] = true
+		ids[sb.ID] = true
 	}
 	cks, err := e.db.Checkpoints(ctx)
 	if err != nil {
@@ -106,7 +107,7 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 				removed = append(removed, name)
 				unlock()
 			}
-		} else if !known[d.Name()] && !e.checkpointInFlight() {
+		} else if !known[d.Name()] && !e.checkpointInFlight(ids) {
 			if !dryRun {
 				e.removeCheckpointFiles(ctx, d.Name())
 			}
@@ -117,7 +118,7 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 	for _, d := range entries {
 		// A checkpoint is renamed into place and then recorded under its sandbox's lock;
 		// the row may be about to be written by a running checkpoint.
-		if !known[d.Name()] && !e.checkpointInFlight() {
+		if !known[d.Name()] && !e.checkpointInFlight(ids) {
 			if !dryRun {
 				e.removeCheckpointFiles(ctx, d.Name())
 			}
@@ -162,11 +163,16 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 	return removed, nil
 }
 
-// checkpointInFlight reports whether any sandbox lock is held: then an unrecorded
-// checkpoint may be about to be recorded, and is left for a later sweep.
-func (e *Engine) checkpointInFlight() bool {
+// checkpointInFlight reports whether the lock of any of sandboxes is held: then an
+// unrecorded checkpoint may be about to be recorded (a checkpoint is taken and recorded
+// under its sandbox's lock), and is left for a later sweep. Other locks (standbys being
+// prepared, forks being made) say nothing about checkpoints.
+func (e *Engine) checkpointInFlight(sandboxes map[string]bool) bool {
 	locks, _ := os.ReadDir(filepath.Join(e.cfg.DataDir, "locks"))
 	for _, l := range locks {
+		if !sandboxes[l.Name()] {
+			continue
+		}
 		if unlock, ok := e.tryLock(l.Name()); ok {
 			unlock()
 		} else {

@@ -86,6 +86,9 @@ type ProcSpec = initctl.ProcSpec
 type Hooks struct {
 	// Frozen captures the filesystem; an error aborts the checkpoint and thaws.
 	Frozen func(ctx context.Context) error
+	// Dumped, if set, is called when the process state is written but the backend still
+	// holds the processes (CRIU's post-dump; container only). Crash tests die there.
+	Dumped func()
 	// Phase, if set, is told how long each phase took ("freeze", "dump", "thaw").
 	Phase func(name string, d time.Duration)
 }

@@ -52,6 +52,7 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 		ImagesDir:    dir,
 		FreezeCgroup: ctrlDir("freezer", sb.CgroupName()),
 		NetNS:        fmt.Sprintf("/proc/%d/ns/net", sb.Init.Pid),
+		PostDump:     hooks.Dumped,
 	})
 }
 
