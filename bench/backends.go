@@ -50,6 +50,7 @@ func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, 
 		b := &runner{e: e, opts: o, iso: iso, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)),
 			rep: &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC()}, phases: map[string][]float64{}}
 		b.rep.Machine = machineInfo()
+		b.rep.StandbyRestores = opts.StandbyRestores
 		b.phase("isolation %s", iso)
 		err := b.runWorkloads(ctx)
 		b.rep.CheckpointMS = summarize(b.ckMS)

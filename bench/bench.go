@@ -30,6 +30,9 @@ type Options struct {
 	// Isolation lists the backends to measure, side by side (default: container).
 	Isolation []string
 	Progress  io.Writer // one line per phase; nil for silence
+	// StandbyRestores is recorded in the report: the engine's Config.StandbyRestores
+	// (the caller opened the engine with it).
+	StandbyRestores int
 }
 
 // Report is the result of a run. Times are milliseconds, sizes bytes.
@@ -39,6 +42,8 @@ type Report struct {
 	StartedAt  time.Time `json:"started_at"`
 	DurationS  float64   `json:"duration_s"`
 	Machine    Machine   `json:"machine"`
+	// StandbyRestores is how many standby restores the engine ran at once.
+	StandbyRestores int `json:"standby_restores,omitempty"`
 
 	CheckpointMS Stats `json:"checkpoint_ms"`
 	RollbackMS   Stats `json:"rollback_ms"`

@@ -41,11 +41,13 @@ correctness check failed.`,
   cairn bench --iterations 50 --no-baselines
   cairn bench --isolation gvisor --no-baselines
   cairn bench --json > w1.json
-  cairn bench --workload all --no-baselines`,
+  cairn bench --workload all --no-baselines
+  cairn bench --workload all --no-baselines --standby-restores 2`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			opts.Baselines = !noBaselines
 			opts.Progress = os.Stderr
+			a.standbyRestores = opts.StandbyRestores
 			e, err := a.engine(cmd.Context())
 			if err != nil {
 				return err
@@ -68,6 +70,7 @@ correctness check failed.`,
 	}
 	cmd.Flags().StringVar(&opts.Workload, "workload", "w1", "workload to run: w1, w2, w3 or all")
 	cmd.Flags().IntVar(&opts.Iterations, "iterations", 20, "steps (and checkpoints) of the workload")
+	cmd.Flags().IntVar(&opts.StandbyRestores, "standby-restores", 1, "standby restores the engine runs at once in the background (as cairnd's --standby-restores)")
 	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc_criu, runsc and copytree baselines")
 	cmd.Flags().StringSliceVar(&opts.Isolation, "isolation", []string{"container", "gvisor"}, "isolation backends to measure, side by side (the top-level figures are container's)")
 	return cmd

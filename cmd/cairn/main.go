@@ -35,6 +35,8 @@ type app struct {
 	started  bool
 	eng      *engine.Engine
 	progress *lazyProgress
+	// standbyRestores is engine.Config.StandbyRestores for an in-process engine (bench).
+	standbyRestores int
 
 	url string         // --url: the daemon to use ("" to detect one)
 	be  client.Backend // the backend in use, once chosen
@@ -82,7 +84,7 @@ func (a *app) engine(ctx context.Context) (*engine.Engine, error) {
 	if a.eng != nil {
 		return a.eng, nil
 	}
-	cfg := engine.Config{DataDir: a.dataDir, PoolDir: a.poolDir, PoolImage: a.poolImage}
+	cfg := engine.Config{DataDir: a.dataDir, PoolDir: a.poolDir, PoolImage: a.poolImage, StandbyRestores: a.standbyRestores}
 	if !a.json {
 		a.progress = &lazyProgress{w: os.Stderr}
 		cfg.Progress = a.progress
