@@ -176,9 +176,6 @@ func (s *Server) prewarm(w http.ResponseWriter, r *http.Request) error {
 
 func (s *Server) standbys(w http.ResponseWriter, r *http.Request) error {
 	ckID := r.PathValue("id")
-	if _, err := s.eng.GetCheckpoint(r.Context(), ckID); err != nil {
-		return err
-	}
 	n, err := s.eng.StandbyCount(r.Context(), ckID)
 	if err != nil {
 		return err

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container"
@@ -93,7 +94,7 @@ func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *Ba
 			return err
 		}
 		storage = append(storage, float64(after-before))
-		images = append(images, float64(dirBytes(ck.images)))
+		images = append(images, float64(engine.DirBytes(ck.images)))
 		cks = append(cks, ck)
 	}
 	br.CheckpointMS = summarize(samples)

@@ -5,13 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
@@ -237,7 +237,7 @@ func (c *ociBox) measureCheckpoints(ctx context.Context, n int, br *BaselineRepo
 			return nil, err
 		}
 		storage = append(storage, float64(after-before))
-		images = append(images, float64(dirBytes(ck.images)))
+		images = append(images, float64(engine.DirBytes(ck.images)))
 		ck.want = st
 		cks = append(cks, ck)
 	}
@@ -414,18 +414,4 @@ func (b *runner) templateVolume(ctx context.Context) (string, error) {
 		}
 	}
 	return "", errdefs.NotFound("template debian not found: build it with `cairn template build debian`")
-}
-
-// dirBytes is the total size of the files under dir, as the engine counts ImageBytes.
-func dirBytes(dir string) int64 {
-	var n int64
-	filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
-		if err == nil && !d.IsDir() {
-			if fi, err := d.Info(); err == nil {
-				n += fi.Size()
-			}
-		}
-		return nil
-	})
-	return n
 }

@@ -76,12 +76,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		os.RemoveAll(stagedImages)
 	}
 	phases := map[string]float64{}
-	var phaseMu sync.Mutex // the backend may report while the frozen hook runs
-	phase := func(name string, d time.Duration) {
-		phaseMu.Lock()
-		phases[name] = float64(d.Microseconds()) / 1000
-		phaseMu.Unlock()
-	}
+	phase := func(name string, d time.Duration) { phases[name] = float64(d.Microseconds()) / 1000 }
 	start := time.Now()
 	// Flush the root's dirty data before freezing, so the snapshot inside the freeze has
 	// little left to write. The pool holds only filesystems (images live elsewhere), so
@@ -119,7 +114,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		return nil, fmt.Errorf("publish checkpoint images: %w", err)
 	}
 	crashPoint("checkpoint-published")
-	ck.ImageBytes = dirBytes(e.imagesPath(ck.Images))
+	ck.ImageBytes = DirBytes(e.imagesPath(ck.Images))
 	ck.CreatedAt = time.Now().UTC()
 	sb.Head = ck.ID
 	ck.PhasesMS = phases
@@ -145,7 +140,8 @@ func crashPoint(name string) {
 	}
 }
 
-func dirBytes(dir string) int64 {
+// DirBytes is the total size of the files under dir: a checkpoint's ImageBytes.
+func DirBytes(dir string) int64 {
 	var n int64
 	filepath.WalkDir(dir, func(_ string, d fs.DirEntry, err error) error {
 		if err == nil && !d.IsDir() {
@@ -158,12 +154,19 @@ func dirBytes(dir string) int64 {
 	return n
 }
 
-// GetCheckpoint returns one checkpoint.
+// GetCheckpoint returns one checkpoint, with how its images are stored and why
+// (ImagesDepth, MethodReason).
 func (e *Engine) GetCheckpoint(ctx context.Context, id string) (*model.Checkpoint, error) {
+	return e.withDepth(e.checkpoint(ctx, id))
+}
+
+// checkpoint returns one checkpoint's row: what rollback, fork and the other operations
+// need, without GetCheckpoint's look at the images.
+func (e *Engine) checkpoint(ctx context.Context, id string) (*model.Checkpoint, error) {
 	if !validID(id) {
 		return nil, errdefs.InvalidArgument("%q is not a checkpoint ID (IDs are lowercase letters and digits)", id)
 	}
-	return e.withDepth(e.db.Checkpoint(ctx, id))
+	return e.db.Checkpoint(ctx, id)
 }
 
 // inLineage reports whether checkpoint ck may be a rollback target of sb: one of sb's own
@@ -203,7 +206,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	if err != nil {
 		return err
 	}
-	ck, err := e.GetCheckpoint(ctx, checkpointID)
+	ck, err := e.checkpoint(ctx, checkpointID)
 	if err != nil {
 		return err
 	}
@@ -263,7 +266,7 @@ func (e *Engine) Fork(ctx context.Context, checkpointID string, count int) ([]*m
 	if count < 1 || count > MaxFork {
 		return nil, errdefs.InvalidArgument("fork count %d: give 1 to %d", count, MaxFork)
 	}
-	ck, err := e.GetCheckpoint(ctx, checkpointID)
+	ck, err := e.checkpoint(ctx, checkpointID)
 	if err != nil {
 		return nil, err
 	}
@@ -407,7 +410,7 @@ func (e *Engine) Tree(ctx context.Context, id string) ([]*model.Checkpoint, erro
 // their filesystems are independent copies, and images incremental against the deleted
 // ones are rebased first (removeImages).
 func (e *Engine) DeleteCheckpoint(ctx context.Context, id string, cascade bool) ([]string, error) {
-	ck, err := e.GetCheckpoint(ctx, id)
+	ck, err := e.checkpoint(ctx, id)
 	if err != nil {
 		return nil, err
 	}

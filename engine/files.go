@@ -226,11 +226,11 @@ func (e *Engine) RemovePath(ctx context.Context, id, p string) error {
 // changed (type, mode, owner, size, content or link target) and deleted. The control
 // directory /.cairn is left out.
 func (e *Engine) Diff(ctx context.Context, from, to string) ([]model.Change, error) {
-	a, err := e.GetCheckpoint(ctx, from)
+	a, err := e.checkpoint(ctx, from)
 	if err != nil {
 		return nil, err
 	}
-	b, err := e.GetCheckpoint(ctx, to)
+	b, err := e.checkpoint(ctx, to)
 	if err != nil {
 		return nil, err
 	}

@@ -182,12 +182,12 @@ func (e *Engine) compact(ctx context.Context, id string) error {
 		return err
 	}
 	start := time.Now()
-	before := dirBytes(dir)
+	before := DirBytes(dir)
 	if _, err := incremental.Compact(dir, pdir, incremental.Options{Switch: e.images}); err != nil {
 		return err
 	}
 	crashPoint("compact-done")
-	after := dirBytes(dir)
+	after := DirBytes(dir)
 	e.count(func(st *Stats) {
 		st.Compactions++
 		st.CompactionMS += float64(time.Since(start).Microseconds()) / 1000
@@ -223,7 +223,7 @@ func (e *Engine) removeImages(ctx context.Context, id string) {
 			method = methodFull
 		}
 		if res.Tasks > 0 || method == methodFull {
-			e.db.SetCheckpointImages(ctx, filepath.Base(child), method, dirBytes(child))
+			e.db.SetCheckpointImages(ctx, filepath.Base(child), method, DirBytes(child))
 		}
 	}
 	e.images.Lock()
@@ -261,10 +261,8 @@ func (e *Engine) recoverImages(ctx context.Context) {
 			continue
 		}
 		dir := e.imagesPath(ck.Images)
-		if rewriteLeftovers(dir) {
-			if err := incremental.Sweep(dir); err != nil {
-				e.cfg.Logf("sweep the images of checkpoint %s: %v", ck.ID, err)
-			}
+		if err := incremental.Sweep(dir); err != nil {
+			e.cfg.Logf("sweep the images of checkpoint %s: %v", ck.ID, err)
 		}
 		// The compaction queue lives in memory: a crash loses the compactions not yet
 		// done (not begun, begun but not linked, linked but not all switched, done but
@@ -281,29 +279,10 @@ func (e *Engine) recoverImages(ctx context.Context) {
 		if p, _ := incremental.Parent(dir); p == "" {
 			method = methodFull
 		}
-		if n := dirBytes(dir); method != ck.Method || n != ck.ImageBytes {
+		if n := DirBytes(dir); method != ck.Method || n != ck.ImageBytes {
 			e.db.SetCheckpointImages(ctx, ck.ID, method, n)
 		}
 	}
-}
-
-// rewriteLeftovers reports, from names alone, whether dir may hold files of an
-// interrupted rewrite: a temporary file, or more pages files than pagemaps.
-func rewriteLeftovers(dir string) bool {
-	ents, _ := os.ReadDir(dir)
-	pagemaps, pages := 0, 0
-	for _, d := range ents {
-		n := d.Name()
-		switch {
-		case strings.HasSuffix(n, ".incr-tmp"):
-			return true
-		case strings.HasPrefix(n, "pagemap-"):
-			pagemaps++
-		case strings.HasPrefix(n, "pages-"):
-			pages++
-		}
-	}
-	return pages > pagemaps
 }
 
 // imageLeftovers lists, as data-directory-relative paths, the files interrupted

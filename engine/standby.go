@@ -81,7 +81,7 @@ func (e *Engine) Prewarm(ctx context.Context, checkpointID string, n int) error 
 	if n < 1 || n > MaxFork {
 		return errdefs.InvalidArgument("prewarm count %d: give 1 to %d", n, MaxFork)
 	}
-	ck, err := e.GetCheckpoint(ctx, checkpointID)
+	ck, err := e.checkpoint(ctx, checkpointID)
 	if err != nil {
 		return err
 	}
@@ -104,15 +104,13 @@ func (e *Engine) Prewarm(ctx context.Context, checkpointID string, n int) error 
 	if todo <= 0 {
 		return nil
 	}
+	// prepareStandby bounds the restores running at once (Config.StandbyRestores).
 	errs := make([]error, todo)
-	sem := make(chan struct{}, 2)
 	var wg sync.WaitGroup
 	for i := 0; i < todo; i++ {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
 			errs[i] = e.prepareStandby(ctx, ck)
 		}(i)
 	}
@@ -424,8 +422,12 @@ func (e *Engine) StandbyMemory(ctx context.Context) (int, int64, error) {
 	return len(all), n, nil
 }
 
-// StandbyCount returns how many standbys of a checkpoint are ready.
+// StandbyCount returns how many standbys of a checkpoint are ready (not_found for an
+// unknown checkpoint).
 func (e *Engine) StandbyCount(ctx context.Context, checkpointID string) (int, error) {
+	if _, err := e.checkpoint(ctx, checkpointID); err != nil {
+		return 0, err
+	}
 	l, err := e.db.StandbysOf(ctx, checkpointID)
 	return len(l), err
 }

@@ -51,25 +51,11 @@ func (s *Store) StandbysOf(ctx context.Context, checkpoint string) ([]*Standby, 
 // deleted and the sandbox's row (now pointing at the standby's root) written, so the
 // root is never unreferenced. It reports false if someone else claimed it first.
 func (s *Store) SwapStandby(ctx context.Context, standbyID string, sb *model.Sandbox) (bool, error) {
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return false, err
-	}
-	defer tx.Rollback()
-	res, err := tx.ExecContext(ctx, `DELETE FROM standbys WHERE id=?`, standbyID)
-	if err != nil {
-		return false, err
-	}
-	if n, _ := res.RowsAffected(); n == 0 {
-		return false, nil
-	}
-	if err := putSandbox(ctx, tx, sb); err != nil {
-		return false, err
-	}
-	return true, tx.Commit()
+	claimed, err := s.ClaimStandbys(ctx, []string{standbyID}, []*model.Sandbox{sb})
+	return len(claimed) == 1, err
 }
 
-// ClaimStandbys claims standbys for new sandboxes in one transaction: for each pair,
+// ClaimStandbys claims standbys for sandboxes in one transaction: for each pair,
 // the standby's row is deleted and the sandbox's row written. A standby someone else
 // claimed first is skipped; the claimed pairs' indexes are returned, in order.
 func (s *Store) ClaimStandbys(ctx context.Context, standbyIDs []string, sbs []*model.Sandbox) ([]int, error) {

@@ -161,9 +161,6 @@ func (l local) Prewarm(ctx context.Context, ck string, count int) (int, error) {
 }
 
 func (l local) Standbys(ctx context.Context, ck string) (int, error) {
-	if _, err := l.e.GetCheckpoint(ctx, ck); err != nil {
-		return 0, err
-	}
 	return l.e.StandbyCount(ctx, ck)
 }
 

@@ -139,47 +139,24 @@ func Compact(dir, parent string, opt Options) (res Result, err error) {
 			return res, fmt.Errorf("images directory %s is an ancestor of %s", dir, parent)
 		}
 	}
-	releaseChain, err := lockChain(parent)
+	defer discardOnError(dir, &err)
+	switched, releaseChain, err := rewriteTasks(dir, parent, &res, func(id string, m *taskMap, w *writer) (bool, error) {
+		for _, e := range m.entries {
+			if hasFlag(e.flags, peParent) {
+				return false, nil // switched before a crash: done
+			}
+		}
+		p, err := openTask(parent, id)
+		if err != nil || p == nil {
+			return false, err
+		}
+		defer p.close()
+		return compactTask(m, p, w)
+	})
 	if err != nil {
 		return res, err
 	}
 	defer releaseChain()
-	tasks, err := taskIDs(dir)
-	if err != nil {
-		return res, err
-	}
-	ids, err := newPagesIDs(dir)
-	if err != nil {
-		return res, err
-	}
-	var switched []string
-	defer func() {
-		if err != nil {
-			removeTemps(dir)
-			removeOrphans(dir)
-		}
-	}()
-	for _, id := range tasks {
-		changed, err := rewriteTask(dir, id, ids(), &res, func(m *taskMap, w *writer) (bool, error) {
-			for _, e := range m.entries {
-				if hasFlag(e.flags, peParent) {
-					return false, nil // switched before a crash: done
-				}
-			}
-			p, err := openTask(parent, id)
-			if err != nil || p == nil {
-				return false, err
-			}
-			defer p.close()
-			return compactTask(m, p, w)
-		})
-		if err != nil {
-			return res, err
-		}
-		if changed {
-			switched = append(switched, id)
-		}
-	}
 	if len(switched) == 0 {
 		return res, nil
 	}
@@ -199,7 +176,7 @@ func Compact(dir, parent string, opt Options) (res Result, err error) {
 	if err != nil {
 		return res, err
 	}
-	return res, removeOrphans(dir)
+	return res, removeLeftovers(dir)
 }
 
 // Flatten materializes every page dir reads from its parent chain back into dir and
@@ -233,37 +210,14 @@ func materialize(dir string, flatten bool, opt Options) (res Result, err error) 
 	if flatten {
 		grand = ""
 	}
-	releaseChain, err := lockChain(parent)
+	defer discardOnError(dir, &err)
+	switched, releaseChain, err := rewriteTasks(dir, parent, &res, func(_ string, m *taskMap, w *writer) (bool, error) {
+		return materializeTask(m, grand == "", w)
+	})
 	if err != nil {
 		return res, err
 	}
 	defer releaseChain()
-	tasks, err := taskIDs(dir)
-	if err != nil {
-		return res, err
-	}
-	ids, err := newPagesIDs(dir)
-	if err != nil {
-		return res, err
-	}
-	var switched []string
-	defer func() {
-		if err != nil {
-			removeTemps(dir)
-			removeOrphans(dir)
-		}
-	}()
-	for _, id := range tasks {
-		changed, err := rewriteTask(dir, id, ids(), &res, func(m *taskMap, w *writer) (bool, error) {
-			return materializeTask(m, grand == "", w)
-		})
-		if err != nil {
-			return res, err
-		}
-		if changed {
-			switched = append(switched, id)
-		}
-	}
 	link := filepath.Join(dir, ParentLink)
 	err = switchTasks(dir, switched, opt, nil, func() error {
 		crashPoint("incremental-unlink")
@@ -283,7 +237,51 @@ func materialize(dir string, flatten bool, opt Options) (res Result, err error) 
 	if err != nil {
 		return res, err
 	}
-	return res, removeOrphans(dir)
+	return res, removeLeftovers(dir)
+}
+
+// rewriteTasks rewrites the pagemap of each of dir's tasks with rewrite, into new files
+// beside the old ones, holding shared locks on the chain from top. It returns the tasks
+// rewrite changed and the release of the chain locks, which the caller holds until it
+// has switched them.
+func rewriteTasks(dir, top string, res *Result, rewrite func(id string, m *taskMap, w *writer) (bool, error)) (switched []string, release func(), err error) {
+	release, err = lockChain(top)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer func() {
+		if err != nil {
+			release()
+		}
+	}()
+	tasks, err := taskIDs(dir)
+	if err != nil {
+		return nil, nil, err
+	}
+	ids, err := newPagesIDs(dir)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, id := range tasks {
+		changed, err := rewriteTask(dir, id, ids(), res, func(m *taskMap, w *writer) (bool, error) {
+			return rewrite(id, m, w)
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		if changed {
+			switched = append(switched, id)
+		}
+	}
+	return switched, release, nil
+}
+
+// discardOnError removes the temporary and orphaned files of a rewrite of dir that
+// failed with *err (deferred by the rewrites).
+func discardOnError(dir string, err *error) {
+	if *err != nil {
+		removeLeftovers(dir)
+	}
 }
 
 // switchTasks publishes the rewritten pagemaps of tasks, holding opt.Switch: before
@@ -571,84 +569,34 @@ func newPagesIDs(dir string) (func() uint32, error) {
 	return func() uint32 { max++; return max }, nil
 }
 
-// removeTemps removes the temporary pagemaps left by a failed rewrite (the new pages
-// files they name are then unreferenced, and removeOrphans deletes them).
-func removeTemps(dir string) {
-	ents, _ := os.ReadDir(dir)
-	for _, d := range ents {
-		if strings.HasSuffix(d.Name(), tmpSuffix) {
-			os.Remove(filepath.Join(dir, d.Name()))
-		}
-	}
-}
-
-// removeOrphans deletes the pages files of dir no pagemap (task or shmem) names. If any
-// pagemap cannot be read, nothing is deleted.
-func removeOrphans(dir string) error {
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return err
-	}
-	used := map[uint32]bool{}
-	for _, d := range ents {
-		if n := d.Name(); strings.HasPrefix(n, "pagemap-") && strings.HasSuffix(n, ".img") {
-			id, _, err := readPagemap(filepath.Join(dir, n))
-			if err != nil {
-				return err
-			}
-			used[id] = true
-		}
-	}
-	for _, d := range ents {
-		if id, ok := pagesID(d.Name()); ok && !used[id] {
-			if err := os.Remove(filepath.Join(dir, d.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
-				return err
-			}
-		}
-	}
-	return syncDir(dir)
-}
-
-// Sweep removes what an interrupted rewrite left in dir: temporary files and pages
-// files no pagemap names. A directory being rewritten now is skipped.
-func Sweep(dir string) error {
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		if errors.Is(err, unix.EWOULDBLOCK) {
-			return nil
-		}
-		return err
-	}
-	removeTemps(dir)
-	return removeOrphans(dir)
-}
-
-// Leftovers lists the files Sweep would remove from dir now (none in a directory no
-// rewrite was interrupted in). A directory being rewritten now is skipped.
-func Leftovers(dir string) ([]string, error) {
-	release, err := lockDir(dir, unix.LOCK_SH|unix.LOCK_NB)
-	if errors.Is(err, unix.EWOULDBLOCK) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	defer release()
+// leftovers lists the files a failed or interrupted rewrite left in dir: temporary
+// pagemaps, and pages files no pagemap (task or shmem) names (among them those the
+// temporary pagemaps named). From names alone it answers nothing is left in a
+// directory with no temporary file and no more pages files than pagemaps, reading no
+// pagemap; otherwise, if any pagemap cannot be read, it fails.
+func leftovers(dir string) ([]string, error) {
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
 	}
 	var out []string
+	pagemaps, pages := 0, 0
+	for _, d := range ents {
+		switch n := d.Name(); {
+		case strings.HasSuffix(n, tmpSuffix):
+			out = append(out, n)
+		case strings.HasPrefix(n, "pagemap-") && strings.HasSuffix(n, ".img"):
+			pagemaps++
+		case isPagesFile(n):
+			pages++
+		}
+	}
+	if len(out) == 0 && pages <= pagemaps {
+		return nil, nil
+	}
 	used := map[uint32]bool{}
 	for _, d := range ents {
-		n := d.Name()
-		if strings.HasSuffix(n, tmpSuffix) {
-			out = append(out, n)
-		} else if strings.HasPrefix(n, "pagemap-") && strings.HasSuffix(n, ".img") {
+		if n := d.Name(); strings.HasPrefix(n, "pagemap-") && strings.HasSuffix(n, ".img") {
 			id, _, err := readPagemap(filepath.Join(dir, n))
 			if err != nil {
 				return nil, err
@@ -662,6 +610,50 @@ func Leftovers(dir string) ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// removeLeftovers deletes what leftovers lists. If any pagemap cannot be read, nothing
+// is deleted.
+func removeLeftovers(dir string) error {
+	l, err := leftovers(dir)
+	if err != nil || len(l) == 0 {
+		return err
+	}
+	for _, n := range l {
+		if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	return syncDir(dir)
+}
+
+// Sweep removes what an interrupted rewrite left in dir: temporary files and pages
+// files no pagemap names. A directory being rewritten now is skipped. It costs a
+// directory listing when nothing is left.
+func Sweep(dir string) error {
+	release, err := lockDir(dir, unix.LOCK_EX|unix.LOCK_NB)
+	if errors.Is(err, unix.EWOULDBLOCK) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer release()
+	return removeLeftovers(dir)
+}
+
+// Leftovers lists the files Sweep would remove from dir now (none in a directory no
+// rewrite was interrupted in). A directory being rewritten now is skipped.
+func Leftovers(dir string) ([]string, error) {
+	release, err := lockDir(dir, unix.LOCK_SH|unix.LOCK_NB)
+	if errors.Is(err, unix.EWOULDBLOCK) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	return leftovers(dir)
 }
 
 // lockDir takes a flock (how: LOCK_EX or LOCK_SH) on dir and returns its release.

@@ -57,8 +57,6 @@ func (m *taskMap) close() {
 func pagemapName(id string) string      { return "pagemap-" + id + ".img" }
 func pagesName(id uint32) string        { return fmt.Sprintf("pages-%d.img", id) }
 func tmpName(name string) string        { return name + tmpSuffix }
-func isTaskPagemap(name string) bool    { _, ok := taskID(name); return ok }
-func joinDir(dir, name string) string   { return filepath.Join(dir, name) }
 func isPagesFile(name string) bool      { _, ok := pagesID(name); return ok }
 func hasFlag(f uint32, bit uint32) bool { return f&bit != 0 }
 
@@ -172,7 +170,7 @@ func writePagemap(path string, pagesID uint32, entries []entry) error {
 // openTask opens the pagemap of task id in dir and, following parent links, in every
 // ancestor that has one. It returns nil, nil when dir has no pagemap for the task.
 func openTask(dir, id string) (*taskMap, error) {
-	pid, entries, err := readPagemap(joinDir(dir, pagemapName(id)))
+	pid, entries, err := readPagemap(filepath.Join(dir, pagemapName(id)))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
@@ -182,7 +180,7 @@ func openTask(dir, id string) (*taskMap, error) {
 	m := &taskMap{dir: dir, id: id, pagesID: pid, entries: entries}
 	for _, e := range entries {
 		if hasFlag(e.flags, pePresent) {
-			if m.pages, err = os.Open(joinDir(dir, pagesName(pid))); err != nil {
+			if m.pages, err = os.Open(filepath.Join(dir, pagesName(pid))); err != nil {
 				return nil, err
 			}
 			break
