@@ -80,6 +80,9 @@ type DumpOptions struct {
 	// PostDump, if set, is called when CRIU has written the images and still holds the
 	// tree, before it lets the tasks go (its post-dump notification).
 	PostDump func()
+	// Worker, if set, is a CRIU started ahead for this dump (StartWorker with the same
+	// NetNS); Dump closes it. If it died before the dump began, Dump starts a new CRIU.
+	Worker *Worker
 }
 
 // dumpNotify passes CRIU's post-dump notification to DumpOptions.PostDump.
@@ -202,6 +205,18 @@ func Dump(ctx context.Context, opts DumpOptions) error {
 	ro.ManageCgroupsMode = &ignore
 	if opts.FreezeCgroup != "" {
 		ro.FreezeCgroup = str(opts.FreezeCgroup)
+	}
+	if w := opts.Worker; w != nil {
+		defer w.Close()
+		if w.netns == opts.NetNS {
+			err := w.c.Dump(ro, dumpNotify{post: opts.PostDump})
+			if err == nil {
+				return nil
+			}
+			if !unsent(err) {
+				return explain("dump", err, filepath.Join(opts.ImagesDir, "dump.log"))
+			}
+		}
 	}
 	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.ImagesDir, "launch.log"), nil, false)
 	if err != nil {

@@ -27,6 +27,30 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 	if !b.Running(sb) {
 		return errdefs.FailedPrecondition("sandbox %s is not running", sb.ID)
 	}
+	// CRIU's start-up is taken off the freeze: a worker started after the previous
+	// checkpoint, or one starting now while the tree is frozen and the hook runs.
+	worker := b.workers.take(sb)
+	var starting chan *criu.Worker
+	if worker == nil {
+		starting = make(chan *criu.Worker, 1)
+		go func() {
+			w, err := criu.StartWorker(netnsOf(sb.Init))
+			if err != nil {
+				w = nil // Dump starts its own CRIU
+			}
+			starting <- w
+		}()
+	}
+	defer func() {
+		if starting != nil { // not waited for: an early failure
+			go func() {
+				if w := <-starting; w != nil {
+					w.Close()
+				}
+			}()
+		}
+		b.workers.start(sb, false) // for the next checkpoint
+	}()
 	t := time.Now()
 	if err := freeze(sb.CgroupName()); err != nil {
 		thaw(sb.CgroupName())
@@ -47,12 +71,16 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 	}
 	t = time.Now()
 	defer hooks.Report("dump", t)
+	if starting != nil {
+		worker, starting = <-starting, nil
+	}
 	return criu.Dump(ctx, criu.DumpOptions{
 		Pid:          sb.Init.Pid,
 		ImagesDir:    dir,
 		FreezeCgroup: ctrlDir("freezer", sb.CgroupName()),
-		NetNS:        fmt.Sprintf("/proc/%d/ns/net", sb.Init.Pid),
+		NetNS:        netnsOf(sb.Init),
 		PostDump:     hooks.Dumped,
+		Worker:       worker,
 	})
 }
 
@@ -73,7 +101,11 @@ func (b *Backend) Activate(ctx context.Context, sb *isolation.Sandbox) error {
 	if err := setHostname(sb.Init.Pid, sb.Hostname); err != nil {
 		return fmt.Errorf("hostname of sandbox %s: %w", sb.ID, err)
 	}
-	return thaw(sb.CgroupName())
+	if err := thaw(sb.CgroupName()); err != nil {
+		return err
+	}
+	b.workers.start(sb, true) // a rollback of a sandbox that checkpoints
+	return nil
 }
 
 func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string, frozen bool) error {
@@ -127,6 +159,7 @@ func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		b.Stop(ctx, sb)
 		return fmt.Errorf("hostname of restored sandbox: %w", err)
 	}
+	b.workers.start(sb, true) // a rollback of a sandbox that checkpoints
 	return nil
 }
 

@@ -31,6 +31,8 @@ import (
 type Backend struct {
 	initBinary string
 	seccomp    bool
+	// workers holds CRIU workers started ahead of the next checkpoint (workers.go).
+	workers workerPool
 }
 
 // New returns a backend that boots sandboxes with the cairn-init binary at initBinary.
@@ -110,6 +112,7 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 
 // Stop implements isolation.Backend.
 func (b *Backend) Stop(ctx context.Context, sb *isolation.Sandbox) error {
+	b.workers.stopped(sb)
 	// A frozen tree cannot die: thaw after the kill is queued.
 	if b.Running(sb) {
 		unix.Kill(sb.Init.Pid, unix.SIGKILL)

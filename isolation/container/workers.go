@@ -1,0 +1,123 @@
+package container
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/cairn-sandbox/cairn/criu"
+	"github.com/cairn-sandbox/cairn/isolation"
+)
+
+// CRIU workers started ahead. A checkpoint's CRIU dump begins with CRIU starting up
+// (~25 ms on an idle machine of this kind, inside the freeze); a sandbox that has been
+// checkpointed is likely to be checkpointed again, so after each checkpoint (and after a
+// rollback gives such a sandbox a new tree) a worker for its next dump is started in the
+// background and kept idle. A worker joins the tree's network namespace when it starts,
+// so it serves only the tree it was started for.
+
+// maxWorkers bounds the idle workers (each an idle CRIU process holding its sandbox's
+// network namespace); past it the oldest is stopped.
+const maxWorkers = 32
+
+type workerPool struct {
+	mu    sync.Mutex
+	byID  map[string]*poolWorker
+	order []string // sandbox IDs, oldest first
+}
+
+type poolWorker struct {
+	init  isolation.Proc
+	w     *criu.Worker // nil while starting, or if it failed to start
+	done  chan struct{}
+	taken bool // by a checkpoint (or a tombstone left by stopped): not the pool's to close
+}
+
+func netnsOf(init isolation.Proc) string { return fmt.Sprintf("/proc/%d/ns/net", init.Pid) }
+
+// take returns the worker started for sb's current tree, waiting for one being started,
+// or nil. The worker is the caller's; the sandbox keeps its place in the pool.
+func (p *workerPool) take(sb *isolation.Sandbox) *criu.Worker {
+	p.mu.Lock()
+	pw := p.byID[sb.ID]
+	if pw == nil || pw.init != sb.Init || pw.taken {
+		p.mu.Unlock()
+		return nil
+	}
+	pw.taken = true
+	p.mu.Unlock()
+	<-pw.done
+	return pw.w
+}
+
+// start begins starting a worker for sb's current tree, replacing one started for
+// another tree, unless one for this tree is there. With onlyKnown, it does so only for
+// a sandbox the pool knows (one that has checkpointed).
+func (p *workerPool) start(sb *isolation.Sandbox, onlyKnown bool) {
+	p.mu.Lock()
+	old, known := p.byID[sb.ID]
+	if onlyKnown && !known || known && old.init == sb.Init && !old.taken {
+		p.mu.Unlock()
+		return
+	}
+	pw := &poolWorker{init: sb.Init, done: make(chan struct{})}
+	if p.byID == nil {
+		p.byID = map[string]*poolWorker{}
+	}
+	p.byID[sb.ID] = pw
+	p.order = append(remove(p.order, sb.ID), sb.ID)
+	var evicted []*poolWorker
+	if known && !old.taken {
+		evicted = append(evicted, old)
+	}
+	for len(p.order) > maxWorkers {
+		if e := p.byID[p.order[0]]; !e.taken {
+			evicted = append(evicted, e)
+		}
+		delete(p.byID, p.order[0])
+		p.order = p.order[1:]
+	}
+	p.mu.Unlock()
+	for _, e := range evicted {
+		go closeWorker(e)
+	}
+	go func() {
+		defer close(pw.done)
+		if w, err := criu.StartWorker(netnsOf(sb.Init)); err == nil {
+			pw.w = w
+		}
+	}()
+}
+
+// stopped stops the worker of sb's tree, which is being stopped. The sandbox stays
+// known, so that a restore of it gets a worker again.
+func (p *workerPool) stopped(sb *isolation.Sandbox) {
+	p.mu.Lock()
+	pw := p.byID[sb.ID]
+	if pw == nil || pw.init != sb.Init {
+		p.mu.Unlock()
+		return
+	}
+	done := make(chan struct{})
+	close(done)
+	p.byID[sb.ID] = &poolWorker{done: done, taken: true}
+	p.mu.Unlock()
+	if !pw.taken {
+		go closeWorker(pw)
+	}
+}
+
+func closeWorker(pw *poolWorker) {
+	<-pw.done
+	if pw.w != nil {
+		pw.w.Close()
+	}
+}
+
+func remove(l []string, s string) []string {
+	for i, x := range l {
+		if x == s {
+			return append(l[:i:i], l[i+1:]...)
+		}
+	}
+	return l
+}
