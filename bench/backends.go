@@ -44,12 +44,17 @@ func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, 
 	var primary *Report
 	backends := map[string]*BackendReport{}
 	var firstErr error
+	warmup, err := warmMemory(opts.Progress, opts.WarmMemory, 0)
+	if err != nil && opts.Progress != nil {
+		fmt.Fprintf(opts.Progress, "bench: memory warm-up: %v\n", err)
+	}
 	for i, iso := range opts.Isolation {
 		o := opts
 		o.Baselines = opts.Baselines && i == 0
 		b := &runner{e: e, opts: o, iso: iso, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)),
 			rep: &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC()}, phases: map[string][]float64{}}
 		b.rep.Machine = machineInfo()
+		b.rep.Machine.MemoryWarmup = warmup
 		b.rep.StandbyRestores = opts.StandbyRestores
 		b.phase("isolation %s", iso)
 		err := b.runWorkloads(ctx)

@@ -33,6 +33,9 @@ type Options struct {
 	// StandbyRestores is recorded in the report: the engine's Config.StandbyRestores
 	// (the caller opened the engine with it).
 	StandbyRestores int
+	// WarmMemory writes once to the guest's free memory before measuring, so that the
+	// hypervisor's first-touch faults are not counted in the figures (memory.go).
+	WarmMemory bool
 }
 
 // Report is the result of a run. Times are milliseconds, sizes bytes.

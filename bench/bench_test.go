@@ -145,3 +145,35 @@ func TestRejectsOtherWorkloads(t *testing.T) {
 		t.Fatalf("Run(w9) = %v, want an invalid_argument error", err)
 	}
 }
+
+// TestWarmMemory writes once to 512 MiB of free memory and checks the warm-up measured
+// and counted it, and that without --warm-memory only the first chunk is measured.
+func TestWarmMemory(t *testing.T) {
+	w, err := warmMemory(nil, true, 512<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%+v", *w)
+	if w.Skipped == "" && (w.WarmedBytes != 512<<20 || w.WarmGiBps <= 0) {
+		t.Fatalf("warmed %d bytes at %.2f GiB/s, want 512 MiB", w.WarmedBytes, w.WarmGiBps)
+	}
+	if w.FirstTouchGiBps <= 0 {
+		t.Fatalf("first touch not measured: %+v", *w)
+	}
+	w, err = warmMemory(nil, false, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w.Skipped == "" || w.WarmedBytes != 0 || w.FirstTouchGiBps <= 0 {
+		t.Fatalf("without warming: %+v; want the first chunk measured and nothing warmed", *w)
+	}
+}
+
+// TestMachineMemoryFacts checks the facts that explain a run's memory costs are read.
+func TestMachineMemoryFacts(t *testing.T) {
+	m := machineInfo()
+	t.Logf("cpu %q, thp %q, page fault %.2f µs", m.CPUModel, m.THP, m.PageFaultUS)
+	if m.PageFaultUS <= 0 || m.THP == "" || m.CPUModel == "" {
+		t.Fatalf("machine facts missing: cpu %q, thp %q, page fault %.2f µs", m.CPUModel, m.THP, m.PageFaultUS)
+	}
+}

@@ -29,6 +29,14 @@ type Machine struct {
 	// faults in the host, and dumps and restores run several times slower. "off" after
 	// scripts/install-deps.sh; "" on machines without it.
 	PageReporting string `json:"page_reporting,omitempty"`
+	// CPUModel, THP (transparent huge pages: always/madvise/never) and PageFaultUS (one
+	// user page fault, µs; see memory.go) explain most of the difference between runs
+	// on different machines: restores fault their memory in page by page.
+	CPUModel    string  `json:"cpu_model,omitempty"`
+	THP         string  `json:"thp,omitempty"`
+	PageFaultUS float64 `json:"page_fault_us,omitempty"`
+	// MemoryWarmup is how the run found the guest's free memory (see memory.go).
+	MemoryWarmup *MemoryWarmup `json:"memory_warmup,omitempty"`
 }
 
 func machineInfo() Machine {
@@ -43,6 +51,7 @@ func machineInfo() Machine {
 	}
 	m.CRIU, _ = criu.Version()
 	m.PageReporting = pageReporting()
+	m.CPUModel, m.THP, m.PageFaultUS = cpuModel(), thpMode(), pageFaultMicros()
 	if out, err := exec.Command(runcPath, "--version").Output(); err == nil {
 		m.Runc = strings.TrimPrefix(strings.SplitN(string(out), "\n", 2)[0], "runc version ")
 	}

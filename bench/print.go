@@ -20,6 +20,17 @@ func (r *Report) Print(w io.Writer) {
 	if m.PageReporting != "" {
 		fmt.Fprintf(w, ", free page reporting %s", m.PageReporting)
 	}
+	if m.CPUModel != "" || m.THP != "" {
+		fmt.Fprintf(w, "\n%s; transparent huge pages %s; a page fault costs %.1f µs", m.CPUModel, m.THP, m.PageFaultUS)
+	}
+	if mw := m.MemoryWarmup; mw != nil {
+		fmt.Fprintf(w, "\nfree memory's first write %.2f GiB/s", mw.FirstTouchGiBps)
+		if mw.Skipped != "" {
+			fmt.Fprintf(w, "; not warmed: %s", mw.Skipped)
+		} else {
+			fmt.Fprintf(w, "; %.1f GiB warmed first, at %.2f GiB/s, in %.1f s", float64(mw.WarmedBytes)/(1<<30), mw.WarmGiBps, mw.Seconds)
+		}
+	}
 	fmt.Fprint(w, "\n\n")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "operation\tn\tp50 ms\tp95 ms\tp99 ms\tmean ms\t")
