@@ -20,13 +20,15 @@ import (
 // fill fresh anonymous memory, so on a machine that has just booted every figure of a
 // run is 2-5× worse than on one that has run for a while (W1 standby restores: ~550 ms
 // instead of ~120). Writing once to the free memory before measuring makes runs
-// comparable; with free page reporting off (scripts/install-deps.sh) it stays backed
-// until the next boot.
+// comparable. It does not last: with free page reporting off (scripts/install-deps.sh)
+// the host still took most of it back within hours (a warm-up at 0.30 GiB/s, 54 s, the
+// same afternoon), so every run warms up again; a machine already backed takes seconds.
 
 // MemoryWarmup says how a run found the guest's free memory and what it did about it.
 type MemoryWarmup struct {
 	// FirstTouchGiBps is the speed of the first write to the first 256 MiB of free
-	// memory: a few GiB/s when the host backs it, well under 1 when it does not yet.
+	// memory. That is the memory freed last, often backed when the rest is not:
+	// WarmGiBps, over all of it, says more (a few GiB/s backed, well under 1 not).
 	FirstTouchGiBps float64 `json:"first_touch_gib_per_s"`
 	// WarmedBytes were written once before the run, at WarmGiBps, in Seconds.
 	WarmedBytes int64   `json:"warmed_bytes"`
