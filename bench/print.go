@@ -22,6 +22,9 @@ func (r *Report) Print(w io.Writer) {
 	}
 	if m.CPUModel != "" || m.THP != "" {
 		fmt.Fprintf(w, "\n%s; transparent huge pages %s; a page fault costs %.1f µs", m.CPUModel, m.THP, m.PageFaultUS)
+		if m.THP != "always" && m.PageFaultUS > 5 {
+			fmt.Fprint(w, " (slow: restores fault their memory in 4 KiB at a time; scripts/install-deps.sh sets THP to always)")
+		}
 	}
 	if mw := m.MemoryWarmup; mw != nil {
 		fmt.Fprintf(w, "\nfree memory's first write %.2f GiB/s", mw.FirstTouchGiBps)
