@@ -19,6 +19,7 @@ import (
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/netns"
 )
 
 // MinVersion is the oldest CRIU cairn accepts (4.2.0): on kernels >= 6.16 inet sockets
@@ -104,8 +105,13 @@ type RestoreOptions struct {
 	WorkDir   string // per-restore scratch (logs); images may be shared by concurrent restores
 	KeepLog   string // where to keep CRIU's log if the restore fails (the work dir is removed)
 	Root      string // mount point of the new root filesystem
-	// NetNS is the path of the network namespace to restore the tree into.
+	// NetNS is the path of the network namespace to restore the tree into; empty: a new
+	// one (its loopback up).
 	NetNS string
+	// Worker, if set, is a CRIU started ahead for a restore (StartRestoreWorker, with the
+	// same Background): the tree gets its network namespace (NetNS must be empty).
+	// Restore closes it. If it died before the restore began, Restore starts a new CRIU.
+	Worker *Worker
 	// Cgroups are the cgroup.procs files CRIU joins before it forks the tree, so the tree
 	// is born in (and its memory charged to) the sandbox's cgroups. cairn manages cgroups
 	// itself: CRIU's own cgroup handling (walking and mounting every hierarchy) is off.
@@ -134,9 +140,17 @@ func str(v string) *string { return &v }
 // and returns its path and a cleanup. go-criu starts "<path> swrk <fd>"; a per-call
 // script is how a call gets its own namespace and cgroups without touching the caller.
 func launcher(criu, netns, errlog string, cgroups []string, background bool) (string, func(), error) {
+	return launcherWith(criu, netns, errlog, cgroups, background, nil)
+}
+
+// launcherWith is launcher with pre adding lines at the start of the script.
+func launcherWith(criu, netns, errlog string, cgroups []string, background bool, pre func(*strings.Builder)) (string, func(), error) {
 	var sb strings.Builder
 	sb.WriteString("#!/bin/sh\n")
 	fmt.Fprintf(&sb, "exec 2>>%q\n", errlog)
+	if pre != nil {
+		pre(&sb)
+	}
 	for _, cg := range cgroups {
 		fmt.Fprintf(&sb, "echo $$ > %q || exit 1\n", cg)
 	}
@@ -269,6 +283,27 @@ func Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 	if opts.LeaveStopped {
 		ro.LeaveStopped = b(true)
 	}
+	n := &restoreNotify{}
+	if w := opts.Worker; w != nil {
+		defer w.Close()
+		if w.restore && w.background == opts.Background && opts.NetNS == "" && w.join(opts.Cgroups) == nil {
+			err := w.c.Restore(ro, n)
+			if err == nil {
+				return restored(n)
+			}
+			if !unsent(err) {
+				return 0, explain("restore", err, keepLog(opts))
+			}
+		}
+	}
+	if opts.NetNS == "" {
+		ns, err := netns.New()
+		if err != nil {
+			return 0, fmt.Errorf("network namespace for restore: %w", err)
+		}
+		defer ns.Close()
+		opts.NetNS = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ns.Fd())
+	}
 	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.WorkDir, "launch.log"), opts.Cgroups, opts.Background)
 	if err != nil {
 		return 0, err
@@ -276,24 +311,33 @@ func Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 	defer cleanup()
 	c := gocriu.MakeCriu()
 	c.SetCriuPath(run)
-	n := &restoreNotify{}
 	if err := retryBusy(func() error { return c.Restore(ro, n) }); err != nil {
-		log := filepath.Join(opts.WorkDir, "restore.log")
-		if opts.KeepLog != "" {
-			b, _ := os.ReadFile(filepath.Join(opts.WorkDir, "launch.log"))
-			if b2, rerr := os.ReadFile(log); rerr == nil {
-				b = append(b, b2...)
-			}
-			if len(b) > 0 && os.WriteFile(opts.KeepLog, b, 0o600) == nil {
-				log = opts.KeepLog
-			}
-		}
-		return 0, explain("restore", err, log)
+		return 0, explain("restore", err, keepLog(opts))
 	}
+	return restored(n)
+}
+
+func restored(n *restoreNotify) (int, error) {
 	if n.pid == 0 {
 		return 0, errors.New("criu restore reported no pid")
 	}
 	return int(n.pid), nil
+}
+
+// keepLog copies a failed restore's logs (the launcher's and CRIU's) to opts.KeepLog,
+// since the work directory goes, and returns the path to quote.
+func keepLog(opts RestoreOptions) string {
+	log := filepath.Join(opts.WorkDir, "restore.log")
+	if opts.KeepLog != "" {
+		b, _ := os.ReadFile(filepath.Join(opts.WorkDir, "launch.log"))
+		if b2, rerr := os.ReadFile(log); rerr == nil {
+			b = append(b, b2...)
+		}
+		if len(b) > 0 && os.WriteFile(opts.KeepLog, b, 0o600) == nil {
+			log = opts.KeepLog
+		}
+	}
+	return log
 }
 
 // explain turns a CRIU failure into an error naming the cause from CRIU's log.

@@ -1,4 +1,8 @@
 package criu
 
-// StartWorkerWith starts a worker running the program at path instead of CRIU.
-var StartWorkerWith = startWorker
+// StartWorkerWith and StartRestoreWorkerWith start workers running the program at
+// path instead of CRIU.
+var (
+	StartWorkerWith        = startWorker
+	StartRestoreWorkerWith = startRestoreWorker
+)

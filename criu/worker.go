@@ -1,26 +1,39 @@
 package criu
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v8"
+
+	"github.com/cairn-sandbox/cairn/internal/netns"
 )
 
 // Worker is a CRIU process (`criu swrk`) started before the dump it serves, so that the
 // dump does not wait for CRIU to start. Starting it is a chain of programs (the
 // launcher script, nsenter, CRIU's dynamic loader and libraries, CRIU's own set-up):
 // ~25 ms on an idle machine of this project's kind, where every page fault costs
-// ~21 µs, and more under load, all of it inside the sandbox's freeze. A worker serves
-// one dump, then exits; Close stops one that was not used.
+// ~21 µs, and more under load, all of it inside the sandbox's freeze (or on a
+// restore's critical path: StartRestoreWorker). A worker serves one dump or restore,
+// then exits; Close stops one that was not used.
 type Worker struct {
 	c       *gocriu.Criu
 	netns   string
 	cleanup func()
 	once    sync.Once
+	// A restore worker (StartRestoreWorker) runs in a network namespace of its own, ns,
+	// at nice 19 if background, and writes its PID to pidFile so that Restore can move it
+	// into the tree's cgroups.
+	restore    bool
+	background bool
+	ns         *os.File
+	pidFile    string
 }
 
 // StartWorker launches a worker for a dump of a tree whose network namespace is netns
@@ -34,23 +47,98 @@ func StartWorker(netns string) (*Worker, error) {
 }
 
 func startWorker(path, netns string) (*Worker, error) {
-	log, err := os.CreateTemp("", "cairn-criu-launch-*.log")
-	if err != nil {
-		return nil, err
-	}
-	log.Close()
-	run, cleanup, err := launcher(path, netns, log.Name(), nil, false)
-	if err != nil {
-		os.Remove(log.Name())
-		return nil, err
-	}
-	w := &Worker{c: gocriu.MakeCriu(), netns: netns, cleanup: func() { cleanup(); os.Remove(log.Name()) }}
-	w.c.SetCriuPath(run)
-	if err := retryBusy(w.c.Prepare); err != nil {
-		w.cleanup()
+	w := &Worker{netns: netns}
+	if err := w.start(path, nil); err != nil {
 		return nil, err
 	}
 	return w, nil
+}
+
+// StartRestoreWorker launches a worker for a restore: in a new network namespace (its
+// loopback up), which the restored tree will have, and at nice 19 if background (as
+// RestoreOptions.Background). Restore moves it into the tree's cgroups before it asks.
+func StartRestoreWorker(background bool) (*Worker, error) {
+	path, err := Find()
+	if err != nil {
+		return nil, err
+	}
+	return startRestoreWorker(path, background)
+}
+
+func startRestoreWorker(path string, background bool) (*Worker, error) {
+	ns, err := netns.New()
+	if err != nil {
+		return nil, fmt.Errorf("network namespace for restore: %w", err)
+	}
+	pid, err := os.CreateTemp("", "cairn-criu-pid-*")
+	if err != nil {
+		ns.Close()
+		return nil, err
+	}
+	pid.Close()
+	w := &Worker{restore: true, background: background, ns: ns, pidFile: pid.Name(),
+		netns: fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ns.Fd())}
+	if err := w.start(path, func(sb *strings.Builder) { fmt.Fprintf(sb, "echo $$ > %q\n", pid.Name()) }); err != nil {
+		ns.Close()
+		os.Remove(pid.Name())
+		return nil, err
+	}
+	return w, nil
+}
+
+// start launches the worker's CRIU; pre adds lines to its launcher.
+func (w *Worker) start(path string, pre func(*strings.Builder)) error {
+	log, err := os.CreateTemp("", "cairn-criu-launch-*.log")
+	if err != nil {
+		return err
+	}
+	log.Close()
+	run, cleanup, err := launcherWith(path, w.netns, log.Name(), nil, w.background, pre)
+	if err != nil {
+		os.Remove(log.Name())
+		return err
+	}
+	w.c = gocriu.MakeCriu()
+	w.cleanup = func() {
+		cleanup()
+		os.Remove(log.Name())
+		if w.ns != nil {
+			w.ns.Close()
+			os.Remove(w.pidFile)
+		}
+	}
+	w.c.SetCriuPath(run)
+	if err := retryBusy(w.c.Prepare); err != nil {
+		cleanup()
+		os.Remove(log.Name())
+		return err
+	}
+	return nil
+}
+
+// join moves a restore worker into the cgroups whose cgroup.procs files are given, so
+// that the tree it forks is born there.
+func (w *Worker) join(cgroups []string) error {
+	var pid []byte
+	for i := 0; ; i++ {
+		b, err := os.ReadFile(w.pidFile)
+		if err != nil {
+			return err
+		}
+		if pid = bytes.TrimSpace(b); len(pid) > 0 {
+			break
+		}
+		if i == 200 { // the launcher writes it first thing; give up after ~1 s
+			return fmt.Errorf("CRIU worker wrote no PID to %s", w.pidFile)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for _, cg := range cgroups {
+		if err := os.WriteFile(cg, pid, 0); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Close stops the worker (if it has not served a dump, CRIU exits when its socket

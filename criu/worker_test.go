@@ -104,3 +104,52 @@ func sleeper(tb testing.TB) (int, string) {
 	tb.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	return cmd.Process.Pid, fmt.Sprintf("/proc/%d/ns/net", cmd.Process.Pid)
 }
+
+// TestRestoreWorker dumps a real process, kills it and restores it three times: with a
+// restore worker started ahead, with one that died before the restore, and with none.
+// Each restore must bring the process back, in a network namespace of its own.
+func TestRestoreWorker(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		worker func() (*criu.Worker, error)
+	}{
+		{"Ahead", func() (*criu.Worker, error) { return criu.StartRestoreWorker(false) }},
+		{"DeadWorker", func() (*criu.Worker, error) { return criu.StartRestoreWorkerWith("/bin/true", false) }},
+		{"None", func() (*criu.Worker, error) { return nil, nil }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pid, netns := sleeper(t)
+			dir := t.TempDir()
+			if err := criu.Dump(context.Background(), criu.DumpOptions{Pid: pid, ImagesDir: dir, NetNS: netns}); err != nil {
+				t.Fatalf("dump: %v", err)
+			}
+			before, err := os.Readlink(netns)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, _ := os.FindProcess(pid)
+			p.Kill()
+			p.Wait()
+			w, err := tc.worker()
+			if err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(200 * time.Millisecond) // a dead worker is gone, a live one started
+			got, err := criu.Restore(context.Background(), criu.RestoreOptions{ImagesDir: dir, WorkDir: t.TempDir(), Root: "/", Worker: w})
+			if err != nil {
+				t.Fatalf("restore: %v", err)
+			}
+			t.Cleanup(func() { syscall.Kill(got, syscall.SIGKILL) })
+			if got != pid {
+				t.Fatalf("restored PID %d, want %d", got, pid)
+			}
+			ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", got))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ns == before {
+				t.Fatalf("restored into the dumped process's network namespace %s, want a new one", ns)
+			}
+		})
+	}
+}

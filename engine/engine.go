@@ -18,6 +18,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"io"
 	"math/big"
 	"os"
 	"path"
@@ -175,6 +176,11 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 // Close waits for background work and releases the engine. Sandboxes keep running.
 func (e *Engine) Close() error {
 	e.bgWG.Wait()
+	for _, b := range e.backends {
+		if c, ok := b.(io.Closer); ok {
+			c.Close() // idle CRIU workers (isolation/container)
+		}
+	}
 	return e.db.Close()
 }
 

@@ -10,7 +10,6 @@ import (
 
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/errdefs"
-	"github.com/cairn-sandbox/cairn/internal/netns"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"golang.org/x/sys/unix"
 )
@@ -123,15 +122,10 @@ func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		removeCgroups(sb.CgroupName())
 		return fmt.Errorf("bind root for restore: %w", err)
 	}
-	ns, err := netns.New()
-	if err != nil {
-		unix.Unmount(sb.Root, unix.MNT_DETACH)
-		removeCgroups(sb.CgroupName())
-		return fmt.Errorf("network namespace for restore: %w", err)
-	}
-	defer ns.Close()
+	// A worker started ahead brings the tree's new network namespace; without one,
+	// criu.Restore makes the namespace and starts CRIU.
 	pid, rerr := criu.Restore(ctx, criu.RestoreOptions{
-		NetNS:        fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ns.Fd()),
+		Worker:       b.restorers.take(frozen),
 		Cgroups:      procsFiles(sb.CgroupName()),
 		ImagesDir:    dir,
 		KeepLog:      filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),

@@ -31,8 +31,10 @@ import (
 type Backend struct {
 	initBinary string
 	seccomp    bool
-	// workers holds CRIU workers started ahead of the next checkpoint (workers.go).
-	workers workerPool
+	// workers holds CRIU workers started ahead of the next checkpoint, restorers those
+	// started ahead of the next restore (workers.go).
+	workers   workerPool
+	restorers restorePool
 }
 
 // New returns a backend that boots sandboxes with the cairn-init binary at initBinary.

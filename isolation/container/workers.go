@@ -121,3 +121,69 @@ func remove(l []string, s string) []string {
 	}
 	return l
 }
+
+// Restore workers. A restore starts CRIU too; restores are not tied to a sandbox until
+// they begin (each gets a new network namespace, which a worker can make ahead, and the
+// sandbox's cgroups, which it joins when the restore begins), so one spare worker of each
+// kind (background for standbys, at nice 19; foreground for rollbacks and forks) is kept
+// started once a restore of that kind has run.
+type restorePool struct {
+	mu    sync.Mutex
+	spare [2]*poolWorker // by kind: 0 foreground, 1 background
+}
+
+func kind(background bool) int {
+	if background {
+		return 1
+	}
+	return 0
+}
+
+// take returns the spare worker of the kind (waiting if it is still starting), or nil,
+// and starts the next spare.
+func (p *restorePool) take(background bool) *criu.Worker {
+	p.mu.Lock()
+	pw := p.spare[kind(background)]
+	next := &poolWorker{done: make(chan struct{})}
+	p.spare[kind(background)] = next
+	p.mu.Unlock()
+	go func() {
+		defer close(next.done)
+		if w, err := criu.StartRestoreWorker(background); err == nil {
+			next.w = w
+		}
+	}()
+	if pw == nil {
+		return nil
+	}
+	<-pw.done
+	return pw.w
+}
+
+// Close stops the backend's idle CRIU workers (each holds a process and a network
+// namespace). The backend still works after it: later checkpoints and restores start
+// CRIU themselves, and start new workers.
+func (b *Backend) Close() error {
+	b.workers.mu.Lock()
+	var idle []*poolWorker
+	for id, pw := range b.workers.byID {
+		if !pw.taken {
+			idle = append(idle, pw)
+		}
+		delete(b.workers.byID, id)
+	}
+	b.workers.order = nil
+	b.workers.mu.Unlock()
+	b.restorers.mu.Lock()
+	for k, pw := range b.restorers.spare {
+		if pw != nil {
+			idle = append(idle, pw)
+		}
+		b.restorers.spare[k] = nil
+	}
+	b.restorers.mu.Unlock()
+	for _, pw := range idle {
+		closeWorker(pw)
+	}
+	return nil
+}
