@@ -71,7 +71,7 @@ correctness check failed.`,
 	cmd.Flags().StringVar(&opts.Workload, "workload", "w1", "workload to run: w1, w2, w3 or all")
 	cmd.Flags().IntVar(&opts.Iterations, "iterations", 20, "steps (and checkpoints) of the workload")
 	cmd.Flags().IntVar(&opts.StandbyRestores, "standby-restores", 1, "standby restores the engine runs at once in the background (as cairnd's --standby-restores)")
-	cmd.Flags().BoolVar(&opts.WarmMemory, "warm-memory", true, "first write once to the guest's free memory, so that the hypervisor backs it before anything is timed (~1 min after a boot, seconds later; see machine.memory_warmup in the report)")
+	cmd.Flags().BoolVar(&opts.WarmMemory, "warm-memory", true, "first write once to the guest's free memory, so that the hypervisor backs it before anything is timed (~1 min when the host has taken the memory back, as after a boot and again within hours; seconds otherwise; see machine.memory_warmup in the report)")
 	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc_criu, runsc and copytree baselines")
 	cmd.Flags().StringSliceVar(&opts.Isolation, "isolation", []string{"container", "gvisor"}, "isolation backends to measure, side by side (the top-level figures are container's)")
 	return cmd
