@@ -1,11 +1,9 @@
 package bench
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"os"
-	"strconv"
 	"strings"
 	"time"
 
@@ -110,32 +108,14 @@ func gibps(n int64, d time.Duration) float64 {
 	return float64(n) / (1 << 30) / d.Seconds()
 }
 
-// memInfo returns MemFree and MemTotal from /proc/meminfo, in bytes. MemFree, not
-// MemAvailable: the warm-up must not push out the page cache.
+// memInfo returns the free memory (MemFree, not MemAvailable: the warm-up must not push
+// out the page cache) and the total, in bytes.
 func memInfo() (free, total int64, err error) {
-	f, err := os.Open("/proc/meminfo")
-	if err != nil {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
 		return 0, 0, err
 	}
-	defer f.Close()
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		fields := strings.Fields(s.Text())
-		if len(fields) < 2 {
-			continue
-		}
-		kb, _ := strconv.ParseInt(fields[1], 10, 64)
-		switch fields[0] {
-		case "MemFree:":
-			free = kb << 10
-		case "MemTotal:":
-			total = kb << 10
-		}
-	}
-	if free == 0 || total == 0 {
-		return 0, 0, fmt.Errorf("/proc/meminfo: no MemFree or MemTotal")
-	}
-	return free, total, s.Err()
+	return int64(si.Freeram) * int64(si.Unit), int64(si.Totalram) * int64(si.Unit), nil
 }
 
 // pageFaultMicros measures what one page fault of user space costs: a write to each

@@ -139,17 +139,13 @@ func str(v string) *string { return &v }
 // launcher writes a script that starts CRIU inside netns (if set) after joining cgroups,
 // and returns its path and a cleanup. go-criu starts "<path> swrk <fd>"; a per-call
 // script is how a call gets its own namespace and cgroups without touching the caller.
-func launcher(criu, netns, errlog string, cgroups []string, background bool) (string, func(), error) {
-	return launcherWith(criu, netns, errlog, cgroups, background, nil)
-}
-
-// launcherWith is launcher with pre adding lines at the start of the script.
-func launcherWith(criu, netns, errlog string, cgroups []string, background bool, pre func(*strings.Builder)) (string, func(), error) {
+// If pidFile is set, the script first writes there the PID that becomes CRIU's.
+func launcher(criu, netns, errlog string, cgroups []string, background bool, pidFile string) (string, func(), error) {
 	var sb strings.Builder
 	sb.WriteString("#!/bin/sh\n")
 	fmt.Fprintf(&sb, "exec 2>>%q\n", errlog)
-	if pre != nil {
-		pre(&sb)
+	if pidFile != "" {
+		fmt.Fprintf(&sb, "echo $$ > %q\n", pidFile)
 	}
 	for _, cg := range cgroups {
 		fmt.Fprintf(&sb, "echo $$ > %q || exit 1\n", cg)
@@ -220,19 +216,16 @@ func Dump(ctx context.Context, opts DumpOptions) error {
 	if opts.FreezeCgroup != "" {
 		ro.FreezeCgroup = str(opts.FreezeCgroup)
 	}
-	if w := opts.Worker; w != nil {
-		defer w.Close()
-		if w.netns == opts.NetNS {
-			err := w.c.Dump(ro, dumpNotify{post: opts.PostDump})
-			if err == nil {
-				return nil
-			}
-			if !unsent(err) {
-				return explain("dump", err, filepath.Join(opts.ImagesDir, "dump.log"))
-			}
+	w := opts.Worker
+	if done, err := w.serve(w != nil && w.netns == opts.NetNS, func(c *gocriu.Criu) error {
+		return c.Dump(ro, dumpNotify{post: opts.PostDump})
+	}); done {
+		if err != nil {
+			return explain("dump", err, filepath.Join(opts.ImagesDir, "dump.log"))
 		}
+		return nil
 	}
-	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.ImagesDir, "launch.log"), nil, false)
+	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.ImagesDir, "launch.log"), nil, false, "")
 	if err != nil {
 		return err
 	}
@@ -284,17 +277,13 @@ func Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		ro.LeaveStopped = b(true)
 	}
 	n := &restoreNotify{}
-	if w := opts.Worker; w != nil {
-		defer w.Close()
-		if w.restore && w.background == opts.Background && opts.NetNS == "" && w.join(opts.Cgroups) == nil {
-			err := w.c.Restore(ro, n)
-			if err == nil {
-				return restored(n)
-			}
-			if !unsent(err) {
-				return 0, explain("restore", err, keepLog(opts))
-			}
+	w := opts.Worker
+	usable := w != nil && w.restore && w.background == opts.Background && opts.NetNS == "" && w.join(opts.Cgroups) == nil
+	if done, err := w.serve(usable, func(c *gocriu.Criu) error { return c.Restore(ro, n) }); done {
+		if err != nil {
+			return 0, explain("restore", err, keepLog(opts))
 		}
+		return restored(n)
 	}
 	if opts.NetNS == "" {
 		ns, err := netns.New()
@@ -304,7 +293,7 @@ func Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		defer ns.Close()
 		opts.NetNS = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ns.Fd())
 	}
-	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.WorkDir, "launch.log"), opts.Cgroups, opts.Background)
+	run, cleanup, err := launcher(path, opts.NetNS, filepath.Join(opts.WorkDir, "launch.log"), opts.Cgroups, opts.Background, "")
 	if err != nil {
 		return 0, err
 	}

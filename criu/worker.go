@@ -48,7 +48,7 @@ func StartWorker(netns string) (*Worker, error) {
 
 func startWorker(path, netns string) (*Worker, error) {
 	w := &Worker{netns: netns}
-	if err := w.start(path, nil); err != nil {
+	if err := w.start(path); err != nil {
 		return nil, err
 	}
 	return w, nil
@@ -70,50 +70,54 @@ func startRestoreWorker(path string, background bool) (*Worker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("network namespace for restore: %w", err)
 	}
-	pid, err := os.CreateTemp("", "cairn-criu-pid-*")
-	if err != nil {
-		ns.Close()
-		return nil, err
-	}
-	pid.Close()
-	w := &Worker{restore: true, background: background, ns: ns, pidFile: pid.Name(),
+	w := &Worker{restore: true, background: background, ns: ns,
 		netns: fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ns.Fd())}
-	if err := w.start(path, func(sb *strings.Builder) { fmt.Fprintf(sb, "echo $$ > %q\n", pid.Name()) }); err != nil {
-		ns.Close()
-		os.Remove(pid.Name())
+	if err := w.start(path); err != nil {
 		return nil, err
 	}
 	return w, nil
 }
 
-// start launches the worker's CRIU; pre adds lines to its launcher.
-func (w *Worker) start(path string, pre func(*strings.Builder)) error {
-	log, err := os.CreateTemp("", "cairn-criu-launch-*.log")
-	if err != nil {
-		return err
-	}
-	log.Close()
-	run, cleanup, err := launcherWith(path, w.netns, log.Name(), nil, w.background, pre)
-	if err != nil {
-		os.Remove(log.Name())
-		return err
-	}
-	w.c = gocriu.MakeCriu()
+// start launches the worker's CRIU; on failure it releases everything w holds.
+func (w *Worker) start(path string) error {
+	var files []string // removed by cleanup
 	w.cleanup = func() {
-		cleanup()
-		os.Remove(log.Name())
+		for _, f := range files {
+			os.Remove(f)
+		}
 		if w.ns != nil {
 			w.ns.Close()
-			os.Remove(w.pidFile)
 		}
 	}
-	w.c.SetCriuPath(run)
-	if err := retryBusy(w.c.Prepare); err != nil {
-		cleanup()
-		os.Remove(log.Name())
-		return err
+	temp := func(pattern string) (string, error) {
+		f, err := os.CreateTemp("", pattern)
+		if err != nil {
+			return "", err
+		}
+		f.Close()
+		files = append(files, f.Name())
+		return f.Name(), nil
 	}
-	return nil
+	log, err := temp("cairn-criu-launch-*.log")
+	if err == nil && w.restore {
+		w.pidFile, err = temp("cairn-criu-pid-*")
+	}
+	var run string
+	if err == nil {
+		run, _, err = launcher(path, w.netns, log, nil, w.background, w.pidFile)
+		if err == nil {
+			files = append(files, run)
+		}
+	}
+	if err == nil {
+		w.c = gocriu.MakeCriu()
+		w.c.SetCriuPath(run)
+		err = retryBusy(w.c.Prepare)
+	}
+	if err != nil {
+		w.cleanup()
+	}
+	return err
 }
 
 // join moves a restore worker into the cgroups whose cgroup.procs files are given, so
@@ -141,8 +145,23 @@ func (w *Worker) join(cgroups []string) error {
 	return nil
 }
 
-// Close stops the worker (if it has not served a dump, CRIU exits when its socket
-// closes) and removes its launcher. It is safe to call more than once.
+// serve runs call on w (nil or not usable: nothing) and closes w. done says the
+// operation took place, err being its outcome; otherwise the caller starts a CRIU of
+// its own: w was not usable, or had died before the request reached it.
+func (w *Worker) serve(usable bool, call func(*gocriu.Criu) error) (done bool, err error) {
+	if w == nil {
+		return false, nil
+	}
+	defer w.Close()
+	if !usable {
+		return false, nil
+	}
+	err = call(w.c)
+	return err == nil || !unsent(err), err
+}
+
+// Close stops the worker (if it has not served, CRIU exits when its socket closes) and
+// removes its launcher. It is safe to call more than once.
 func (w *Worker) Close() {
 	w.once.Do(func() {
 		w.c.Cleanup()

@@ -2,6 +2,7 @@ package container
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/cairn-sandbox/cairn/criu"
@@ -64,7 +65,7 @@ func (p *workerPool) start(sb *isolation.Sandbox, onlyKnown bool) {
 		p.byID = map[string]*poolWorker{}
 	}
 	p.byID[sb.ID] = pw
-	p.order = append(remove(p.order, sb.ID), sb.ID)
+	p.order = append(slices.DeleteFunc(p.order, func(id string) bool { return id == sb.ID }), sb.ID)
 	var evicted []*poolWorker
 	if known && !old.taken {
 		evicted = append(evicted, old)
@@ -111,15 +112,6 @@ func closeWorker(pw *poolWorker) {
 	if pw.w != nil {
 		pw.w.Close()
 	}
-}
-
-func remove(l []string, s string) []string {
-	for i, x := range l {
-		if x == s {
-			return append(l[:i:i], l[i+1:]...)
-		}
-	}
-	return l
 }
 
 // Restore workers. A restore starts CRIU too; restores are not tied to a sandbox until
