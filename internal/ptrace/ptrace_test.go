@@ -1,0 +1,350 @@
+package ptrace
+
+import (
+	"bufio"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"golang.org/x/sys/unix"
+)
+
+// TestMain lets the test binary act as a tracer that dies (TestTracerDies).
+func TestMain(m *testing.M) {
+	if pid := os.Getenv(dyingTracerEnv); pid != "" {
+		dyingTracer(pid)
+	}
+	os.Exit(m.Run())
+}
+
+// dyingTracerEnv names the process a re-executed test binary traces and then dies on.
+const dyingTracerEnv = "CAIRN_PTRACE_DYING_TRACER"
+
+// dyingTracer seizes and stops pid, injects calls into it, forks a copy of it (killed
+// at once) and exits without detaching: between two injected calls, as cairn may die.
+func dyingTracer(pidStr string) {
+	var pid int
+	fmt.Sscan(pidStr, &pid)
+	tr := NewTracer()
+	err := tr.Do(func() error {
+		tc, err := Seize(pid)
+		if err != nil {
+			return err
+		}
+		if err := tc.Interrupt(); err != nil {
+			return err
+		}
+		if err := tc.Wait(10 * time.Second); err != nil {
+			return err
+		}
+		if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
+			return err
+		}
+		z, err := tc.Fork(unix.CLONE_PARENT)
+		if err != nil {
+			return err
+		}
+		unix.Kill(z.Pid, unix.SIGKILL)
+		if _, err := tc.Syscall(unix.SYS_GETPPID); err != nil {
+			return err
+		}
+		return tc.Restore() // its own registers back, still stopped: then the tracer dies
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	os.Exit(0)
+}
+
+// TestTracerDies kills the tracer between injected calls (with the tracee's registers
+// its own again, as zygote.Capture leaves them before its slow steps): the kernel
+// detaches the tracee, which must carry on as if nothing happened.
+func TestTracerDies(t *testing.T) {
+	requireRoot(t)
+	c := startReplica(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), dyingTracerEnv+"="+fmt.Sprint(c.cmd.Process.Pid))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("tracer: %v: %s", err, out)
+	}
+	for i := 2; i <= 4; i++ {
+		if got := c.ask(t); got[2] != fmt.Sprint(i) {
+			t.Fatalf("after its tracer died the replica answered %v, want answer %d", got, i)
+		}
+	}
+}
+
+// replica is the tracee of these tests: a single-threaded Python process (a Go test
+// binary would not do: fork copies one thread, and the Go runtime needs all of its own)
+// that blocks reading commands from fd 3 and answers on fd 4 with its pid, its parent's
+// and a counter kept in memory.
+const replica = `
+import os
+n = 0
+while True:
+    cmd = os.read(3, 64).decode().strip()
+    if not cmd:
+        break
+    n += 1
+    os.write(4, ("%d %d %d\n" % (os.getpid(), os.getppid(), n)).encode())
+`
+
+type child struct {
+	cmd  *exec.Cmd
+	in   *os.File // commands (read by every copy of the process)
+	out  *bufio.Reader
+	outf *os.File
+}
+
+func startReplica(t *testing.T) *child {
+	t.Helper()
+	if _, err := exec.LookPath("python3"); err != nil {
+		skip(t, "python3 not found")
+	}
+	cr, cw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr, rw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("python3", "-c", replica)
+	cmd.ExtraFiles = []*os.File{cr, rw}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	cr.Close()
+	rw.Close()
+	c := &child{cmd: cmd, in: cw, out: bufio.NewReader(rr), outf: rr}
+	t.Cleanup(func() {
+		cw.Close()
+		rr.Close()
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	c.ask(t) // wait until Python runs and blocks in its read
+	return c
+}
+
+// ask sends one command and returns the answer's fields.
+func (c *child) ask(t *testing.T) []string {
+	t.Helper()
+	if _, err := c.in.Write([]byte("x\n")); err != nil {
+		t.Fatal(err)
+	}
+	c.outf.SetReadDeadline(time.Now().Add(10 * time.Second))
+	line, err := c.out.ReadString('\n')
+	if err != nil {
+		t.Fatalf("no answer from the replica: %v", err)
+	}
+	return strings.Fields(line)
+}
+
+// waitState waits until pid is in the given state (of /proc/PID/stat).
+func waitState(t *testing.T, pid int, state string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); procState(pid) != state; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d did not reach state %s", pid, state)
+		}
+	}
+}
+
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		skip(t, "ptrace of arbitrary processes needs root")
+	}
+}
+
+// skip skips outside CI and fails in CI, where every prerequisite must be present.
+// (internal/testenv would do, but it imports the engine, which imports this package.)
+func skip(t *testing.T, why string) {
+	t.Helper()
+	if os.Getenv("CI") == "true" {
+		t.Fatalf("prerequisite missing in CI: %s", why)
+	}
+	t.Skipf("skipping: %s", why)
+}
+
+// stop seizes and stops pid on tr's thread.
+func stop(t *testing.T, tr *Tracer, pid int) *Tracee {
+	t.Helper()
+	var tc *Tracee
+	err := tr.Do(func() error {
+		var err error
+		if tc, err = Seize(pid); err != nil {
+			return err
+		}
+		if err := tc.Interrupt(); err != nil {
+			return err
+		}
+		return tc.Wait(10 * time.Second)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tc
+}
+
+// TestSyscallInBlockedProcess injects calls into a process blocked in read(2): their
+// results are right, and the read it was blocked in carries on unaware afterwards.
+func TestSyscallInBlockedProcess(t *testing.T) {
+	requireRoot(t)
+	c := startReplica(t)
+	pid := c.cmd.Process.Pid
+	tr := NewTracer()
+	defer tr.Close()
+	tc := stop(t, tr, pid)
+	before := tc.Regs()
+	err := tr.Do(func() error {
+		got, err := tc.Syscall(unix.SYS_GETPID)
+		if err != nil {
+			return err
+		}
+		if int(got) != pid {
+			return fmt.Errorf("getpid in the tracee = %d, want %d", got, pid)
+		}
+		// A failing call reports its errno.
+		if _, err := tc.Syscall(unix.SYS_CLOSE, 9999); err != unix.EBADF {
+			return fmt.Errorf("close(9999) in the tracee: %v, want EBADF", err)
+		}
+		// Scratch memory: write a message there and have the tracee write it to fd 4.
+		s, err := tc.MapScratch(100)
+		if err != nil {
+			return err
+		}
+		msg := []byte("0 0 injected\n")
+		addr, err := s.Put(0, msg)
+		if err != nil {
+			return err
+		}
+		if n, err := tc.Syscall(unix.SYS_WRITE, 4, addr, uintptr(len(msg))); err != nil || int(n) != len(msg) {
+			return fmt.Errorf("write in the tracee: %d, %v", n, err)
+		}
+		if err := s.Free(); err != nil {
+			return err
+		}
+		return tc.Detach()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(before, tc.Regs()); diff != "" {
+		t.Errorf("saved registers changed (-before +after):\n%s", diff)
+	}
+	c.outf.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if line, err := c.out.ReadString('\n'); err != nil || line != "0 0 injected\n" {
+		t.Fatalf("injected write: %q, %v", line, err)
+	}
+	// The interrupted read(2) restarted: the next command is answered as the second.
+	if got := c.ask(t); got[2] != "2" {
+		t.Fatalf("after injection the replica answered %v, want its second answer", got)
+	}
+}
+
+// TestForkCopiesProcess makes the tracee fork a copy with CLONE_PARENT, gives the copy
+// the tracee's own registers, and lets both run: both answer, each with its own PID, the
+// same parent, and a counter that went on from the same value in each.
+func TestForkCopiesProcess(t *testing.T) {
+	requireRoot(t)
+	c := startReplica(t)
+	pid := c.cmd.Process.Pid
+	c.ask(t) // counter 2
+	tr := NewTracer()
+	defer tr.Close()
+	tc := stop(t, tr, pid)
+	var copyPid int
+	err := tr.Do(func() error {
+		z, err := tc.Fork(unix.CLONE_PARENT)
+		if err != nil {
+			return err
+		}
+		copyPid = z.Pid
+		z.SetRegs(tc.Regs())
+		if err := z.Detach(); err != nil {
+			return err
+		}
+		return tc.Detach()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Kill(copyPid, unix.SIGKILL)
+	// Both read the same pipe: let one at a time run.
+	only := func(run, stopped int) []string {
+		unix.Kill(stopped, unix.SIGSTOP)
+		waitState(t, stopped, "T")
+		unix.Kill(run, unix.SIGCONT)
+		return c.ask(t)
+	}
+	got := [][]string{only(pid, copyPid), only(copyPid, pid)}
+	unix.Kill(pid, unix.SIGCONT)
+	want := [][]string{{fmt.Sprint(pid), fmt.Sprint(os.Getpid()), "3"}, {fmt.Sprint(copyPid), fmt.Sprint(os.Getpid()), "3"}}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Fatalf("answers of the process and its copy (-want +got):\n%s", diff)
+	}
+	// The copy is our child now (CLONE_PARENT): reap it.
+	unix.Kill(copyPid, unix.SIGKILL)
+	var ws unix.WaitStatus
+	if _, err := unix.Wait4(copyPid, &ws, 0, nil); err != nil {
+		t.Fatalf("the copy is not a child of the tracee's parent: %v", err)
+	}
+	if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+		t.Fatalf("copy ended with %v", ws)
+	}
+}
+
+// TestForkedCopyStaysStopped checks what zygotes rely on: a copy made and left stopped
+// (SIGSTOP queued before detaching) runs no instruction until continued, and its memory
+// is its own.
+func TestForkedCopyStaysStopped(t *testing.T) {
+	requireRoot(t)
+	c := startReplica(t)
+	pid := c.cmd.Process.Pid
+	tr := NewTracer()
+	defer tr.Close()
+	tc := stop(t, tr, pid)
+	var copyPid int
+	err := tr.Do(func() error {
+		z, err := tc.Fork(unix.CLONE_PARENT)
+		if err != nil {
+			return err
+		}
+		copyPid = z.Pid
+		z.SetRegs(tc.Regs())
+		unix.Kill(z.Pid, unix.SIGSTOP)
+		if err := z.Detach(); err != nil {
+			return err
+		}
+		return tc.Detach()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { unix.Kill(copyPid, unix.SIGKILL); unix.Wait4(copyPid, nil, 0, nil) }()
+	for i := 2; i <= 4; i++ {
+		if got := c.ask(t); got[0] != fmt.Sprint(pid) || got[2] != fmt.Sprint(i) {
+			t.Fatalf("answer %d came from %v, want the original process %d", i, got, pid)
+		}
+	}
+	if st := procState(copyPid); st != "T" {
+		t.Fatalf("copy state %q, want T (stopped)", st)
+	}
+	// Continued (and the original stopped, so that only the copy reads), the copy
+	// answers with the counter it had at the fork.
+	unix.Kill(pid, unix.SIGSTOP)
+	defer unix.Kill(pid, unix.SIGCONT)
+	waitState(t, pid, "T")
+	unix.Kill(copyPid, unix.SIGCONT)
+	if got := c.ask(t); got[0] != fmt.Sprint(copyPid) || got[2] != "2" {
+		t.Fatalf("continued copy answered %v, want pid %d with counter 2", got, copyPid)
+	}
+}
