@@ -36,3 +36,60 @@ type Pool interface {
 	// Close releases the pool (unmounting what it mounted).
 	Close() error
 }
+
+// Reverter is implemented by pools that can bring a writable volume back to the content
+// of one of its read-only snapshots in place, instead of replacing it by a new snapshot.
+// Callers find it by type assertion on a Pool.
+//
+// It exists for rollbacks that keep processes (frozen copy-on-write forks taken at a
+// checkpoint) whose open descriptors, memory-mapped files, working directories and
+// executables point at inodes of the live volume: those inodes must stay the same and
+// get the checkpoint's content back, which a switch to a new volume cannot give.
+type Reverter interface {
+	// Revert makes the writable volume live equal to the read-only volume snapshot:
+	// the same names, file types, content, sizes and holes, modes, owners, extended
+	// attributes, symlink targets, hard-link structure, and access and modification
+	// times (not change and birth times, which are the kernel's, nor inode flags such
+	// as immutable, which the btrfs implementation leaves as they are). live and
+	// snapshot are volume names of the pool and must differ; snapshot should be a
+	// snapshot of live, or live one of snapshot (a rollback's root), since files are
+	// matched by inode.
+	//
+	// Every file present in both keeps its inode: a descriptor open on it before Revert
+	// reads the snapshot's content afterwards, and its inode number is unchanged. Files
+	// and directories absent from live are created anew (new inodes); files absent from
+	// snapshot are unlinked (a process holding one open keeps the unlinked inode, which
+	// is not brought back even if snapshot has it under the same name). Volumes nested
+	// in live are not part of it and are left as they are.
+	//
+	// Preconditions: live is writable (ErrFailedPrecondition otherwise), snapshot is
+	// read-only (ErrFailedPrecondition), and nothing else writes to live or changes its
+	// read-only flag while Revert runs. Revert makes live read-only for a moment and
+	// makes it writable again before it returns, on every path. Writes made during
+	// Revert may be lost or half reverted.
+	//
+	// Revert is not atomic. If it fails or is interrupted (a canceled ctx, a crash),
+	// live is partly reverted: a mixture of its old and the snapshot's content, still a
+	// consistent tree. Revert is idempotent and converges from any such state, which
+	// callers rely on: after a failure, run Revert again with the same arguments; after
+	// a crash, live may also still be read-only, so first clear that with
+	// SetReadOnly(ctx, live, false), then run Revert again. Until a Revert has succeeded,
+	// live must not be used.
+	Revert(ctx context.Context, live, snapshot string) (RevertStats, error)
+}
+
+// RevertStats describes what a Revert did and where its time went.
+type RevertStats struct {
+	// Ops is the number of filesystem operations applied to live (renames, links,
+	// unlinks, creations, attribute and data updates). 0 means there was no difference
+	// to apply; a Revert right after another may still set times again.
+	Ops int
+	// ClonedBytes is the file data shared from the snapshot by reflink (no copy);
+	// CopiedBytes what had to be copied (block-unaligned edges, or where the
+	// filesystem refused a clone).
+	ClonedBytes, CopiedBytes int64
+	// ReadOnlyMS is the time spent setting and clearing live's read-only flag (each a
+	// transaction commit), SendMS computing the difference (which includes flushing
+	// live's dirty data), ApplyMS applying it.
+	ReadOnlyMS, SendMS, ApplyMS float64
+}
