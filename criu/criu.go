@@ -141,6 +141,16 @@ func str(v string) *string { return &v }
 // script is how a call gets its own namespace and cgroups without touching the caller.
 // If pidFile is set, the script first writes there the PID that becomes CRIU's.
 func launcher(criu, netns, errlog string, cgroups []string, background bool, pidFile string) (string, func(), error) {
+	argv := []string{criu}
+	if netns != "" {
+		argv = []string{"nsenter", "--net=" + netns, criu}
+	}
+	return launchScript(argv, errlog, cgroups, background, pidFile)
+}
+
+// launchScript writes the script launcher describes, ending in an exec of argv followed
+// by the script's own arguments.
+func launchScript(argv []string, errlog string, cgroups []string, background bool, pidFile string) (string, func(), error) {
 	var sb strings.Builder
 	sb.WriteString("#!/bin/sh\n")
 	fmt.Fprintf(&sb, "exec 2>>%q\n", errlog)
@@ -153,11 +163,11 @@ func launcher(criu, netns, errlog string, cgroups []string, background bool, pid
 	if background {
 		sb.WriteString("renice -n 19 -p $$ >/dev/null\n")
 	}
-	if netns != "" {
-		fmt.Fprintf(&sb, "exec nsenter --net=%q %q \"$@\"\n", netns, criu)
-	} else {
-		fmt.Fprintf(&sb, "exec %q \"$@\"\n", criu)
+	sb.WriteString("exec")
+	for _, a := range argv {
+		fmt.Fprintf(&sb, " %q", a)
 	}
+	sb.WriteString(" \"$@\"\n")
 	f, err := os.CreateTemp("", "cairn-criu-*.sh")
 	if err != nil {
 		return "", nil, err
@@ -332,8 +342,14 @@ func keepLog(opts RestoreOptions) string {
 // explain turns a CRIU failure into an error naming the cause from CRIU's log.
 func explain(op string, err error, log string) error {
 	b, _ := os.ReadFile(log)
+	return explainLog(op, err, string(b), log, "")
+}
+
+// explainLog is explain on a log's text, quoting path as the full log and ending with
+// hint, if any.
+func explainLog(op string, err error, text, path, hint string) error {
 	var errs []string
-	for _, l := range strings.Split(string(b), "\n") {
+	for _, l := range strings.Split(text, "\n") {
 		// CRIU cannot raise its own RLIMIT_NOFILE here and says so as an error on every
 		// run; it is harmless and hides the real cause.
 		if strings.Contains(l, "RLIMIT_NOFILE") {
@@ -349,7 +365,10 @@ func explain(op string, err error, log string) error {
 	if len(errs) == 0 {
 		errs = append(errs, err.Error())
 	}
-	return errdefs.FailedPrecondition("criu %s failed: %s (full log: %s)", op, strings.Join(errs, " | "), log)
+	if hint != "" {
+		hint = ": " + hint
+	}
+	return errdefs.FailedPrecondition("criu %s failed: %s (full log: %s)%s", op, strings.Join(errs, " | "), path, hint)
 }
 
 // Version returns the version number of the CRIU in use (e.g. 40101).
