@@ -21,7 +21,7 @@ func (s *Server) checkpoint(w http.ResponseWriter, r *http.Request) error {
 	return s.sandboxCall(r, true, func(ctx context.Context, id string) error {
 		var ck *model.Checkpoint
 		err := s.op("checkpoint", func() (err error) {
-			ck, err = s.eng.Checkpoint(ctx, id, engine.CheckpointOptions{Label: req.Label})
+			ck, err = s.eng.Checkpoint(ctx, id, engine.CheckpointOptions{Label: req.Label, Durable: req.Durable})
 			return
 		})
 		if err != nil {

@@ -27,7 +27,7 @@ func TestKillDuringCheckpoint(t *testing.T) {
 	ha, hb := repl(t, d.c, a.ID), repl(t, d.c, b.ID)
 	send(t, d.c, a.ID, ha, "x = 41")
 	send(t, d.c, b.ID, hb, "y = 'b'")
-	c1, err := d.c.Checkpoint(ctx, a.ID, "before-crash")
+	c1, err := d.c.Checkpoint(ctx, a.ID, client.CheckpointRequest{Label: "before-crash"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,7 +39,7 @@ func TestKillDuringCheckpoint(t *testing.T) {
 	// The engine kills its own process (SIGKILL) at this line of the checkpoint.
 	crashing := startDaemon(t, []string{"CAIRN_TEST_CRASH_AT=checkpoint-frozen"})
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-	_, err = crashing.c.Checkpoint(cctx, a.ID, "in-flight")
+	_, err = crashing.c.Checkpoint(cctx, a.ID, client.CheckpointRequest{Label: "in-flight"})
 	cancel()
 	if err == nil || errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("checkpoint in flight when cairnd died: %v (want an error, not a hang)", err)
@@ -85,7 +85,7 @@ func TestKillDuringCheckpoint(t *testing.T) {
 	if v := replValue(t, d2.c, b.ID, hb, "y"); v != "b" {
 		t.Fatalf("y after the crash = %s", v)
 	}
-	c2, err := d2.c.Checkpoint(ctx, a.ID, "after-crash")
+	c2, err := d2.c.Checkpoint(ctx, a.ID, client.CheckpointRequest{Label: "after-crash"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -80,7 +80,7 @@ func cycle(ctx context.Context, c *client.Client, id, h string, k int) error {
 	if v, err := value(ctx, c, id, h, "x"); err != nil || v != fmt.Sprint(k) {
 		return fmt.Errorf("x = %q (%v), want %d", v, err, k)
 	}
-	ck, err := c.Checkpoint(ctx, id, fmt.Sprintf("cycle-%d", k))
+	ck, err := c.Checkpoint(ctx, id, client.CheckpointRequest{Label: fmt.Sprintf("cycle-%d", k)})
 	if err != nil {
 		return err
 	}
@@ -194,7 +194,7 @@ func TestConcurrency(t *testing.T) {
 	send(t, d.c, sb.ID, h, "data = list(range(3*10**6))")
 	replValue(t, d.c, sb.ID, h, "len(data)")
 	done := make(chan error, 1)
-	go func() { _, err := d.c.Checkpoint(ctx, sb.ID, "big"); done <- err }()
+	go func() { _, err := d.c.Checkpoint(ctx, sb.ID, client.CheckpointRequest{Label: "big"}); done <- err }()
 	reads := 0
 	for {
 		select {

@@ -26,7 +26,7 @@ func TestPrewarm(t *testing.T) {
 	h := repl(t, c, sb.ID)
 	send(t, c, sb.ID, h, "x = 41")
 	replValue(t, c, sb.ID, h, "x")
-	ck, err := c.Checkpoint(ctx, sb.ID, "warm")
+	ck, err := c.Checkpoint(ctx, sb.ID, client.CheckpointRequest{Label: "warm"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -88,7 +88,7 @@ func TestPrewarmGVisor(t *testing.T) {
 	if sb.Isolation != "gvisor" {
 		t.Skipf("gvisor is unavailable here (created %s)", sb.Isolation)
 	}
-	ck, err := d.c.Checkpoint(ctx, sb.ID, "")
+	ck, err := d.c.Checkpoint(ctx, sb.ID, client.CheckpointRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}

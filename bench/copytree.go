@@ -52,6 +52,10 @@ func (t fileTransport) output(ctx context.Context, off int64) ([]byte, int64, er
 func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *BaselineReport) error {
 	br.Method = "freeze + `cp -a --reflink=never` of the root + CRIU dump (leave running) + thaw, with cairn's container backend; rollback: `cp -a` of the saved copy + CRIU restore"
 	br.NotMeasured = "fork16_ms: each fork is a full copy of the root (~400 MB), 16 per repetition; too costly to run alongside the others"
+	// The dumps below are CRIU's of the whole tree: cairn's zygotes must not be in it.
+	if err := b.e.Settle(ctx, b.w.id); err != nil {
+		return err
+	}
 	sb, err := b.e.Get(ctx, b.w.id)
 	if err != nil {
 		return err

@@ -31,7 +31,7 @@ type Backend interface {
 	Follow(ctx context.Context, id, handle string, stdout, stderr io.Writer) (*ExitStatus, error)
 	Wait(ctx context.Context, id, handle string) (*ExitStatus, error)
 
-	Checkpoint(ctx context.Context, id, label string) (*Checkpoint, error)
+	Checkpoint(ctx context.Context, id string, req CheckpointRequest) (*Checkpoint, error)
 	Rollback(ctx context.Context, id, checkpoint string) (*Sandbox, error)
 	Fork(ctx context.Context, checkpoint string, req ForkRequest) ([]*Sandbox, error)
 	// Prewarm prepares count standbys of a checkpoint and returns how many are ready;

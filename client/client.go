@@ -8,7 +8,7 @@
 //	var c client.Client
 //	sb, err := c.Create(ctx, client.CreateRequest{Labels: map[string]string{"run": "r42"}})
 //	res, err := c.Run(ctx, sb.ID, client.ExecRequest{Args: []string{"python3", "-c", "print(1)"}}, os.Stdout, os.Stderr)
-//	ck, err := c.Checkpoint(ctx, sb.ID, "loaded")
+//	ck, err := c.Checkpoint(ctx, sb.ID, client.CheckpointRequest{Label: "loaded"})
 //	kids, err := c.Fork(ctx, ck.ID, client.ForkRequest{Count: 4})
 package client
 

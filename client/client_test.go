@@ -35,7 +35,7 @@ func TestErrorClasses(t *testing.T) {
 	if !errors.Is(err, errdefs.ErrNotFound) || !errors.As(err, &ae) || ae.Status != 404 || err.Error() != "sandbox gone" {
 		t.Fatalf("404 problem: %v", err)
 	}
-	if _, err := c.Checkpoint(ctx, "stopped", ""); errdefs.Code(err) != "failed_precondition" || errdefs.ExitCode(err) != 5 {
+	if _, err := c.Checkpoint(ctx, "stopped", CheckpointRequest{}); errdefs.Code(err) != "failed_precondition" || errdefs.ExitCode(err) != 5 {
 		t.Fatalf("412 problem: %v", err)
 	}
 	if _, err := c.Templates(ctx); !errors.Is(err, errdefs.ErrUnavailable) {

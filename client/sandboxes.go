@@ -70,9 +70,9 @@ func (c *Client) Resume(ctx context.Context, id string) (*Sandbox, error) {
 }
 
 // Checkpoint takes a joint checkpoint of a running sandbox.
-func (c *Client) Checkpoint(ctx context.Context, id, label string) (*Checkpoint, error) {
+func (c *Client) Checkpoint(ctx context.Context, id string, req CheckpointRequest) (*Checkpoint, error) {
 	var ck Checkpoint
-	return &ck, c.call(ctx, request{method: "POST", path: sbPath(id, "checkpoints"), body: CheckpointRequest{Label: label}}, &ck)
+	return &ck, c.call(ctx, request{method: "POST", path: sbPath(id, "checkpoints"), body: req}, &ck)
 }
 
 // Rollback returns a sandbox, files and processes, to a checkpoint of its lineage.

@@ -161,6 +161,10 @@ const (
 // CheckpointRequest is the body of POST /v1/sandboxes/{id}/checkpoints.
 type CheckpointRequest struct {
 	Label string `json:"label,omitempty"`
+	// Durable waits until the checkpoint is on disk whole before answering: a resident
+	// checkpoint (method "zygote", held in memory by frozen copies of the processes)
+	// otherwise gets its durable copy a fraction of a second later, in the background.
+	Durable bool `json:"durable,omitempty"`
 }
 
 // Checkpoint is a joint (filesystem, process tree) checkpoint.

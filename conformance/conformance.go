@@ -31,6 +31,10 @@ type Harness struct {
 	// Warm makes every rollback and fork take the standby fast path: after each
 	// checkpoint, rollback and fork the suite waits for standbys to be ready.
 	Warm bool
+	// Resident says that the engine keeps checkpoints resident (zygotes) where it can:
+	// every rollback to a resident checkpoint of the same sandbox must then take that
+	// path, and the crash tests die at its points.
+	Resident bool
 }
 
 // Run runs the whole suite.
@@ -57,6 +61,8 @@ func Run(t *testing.T, h Harness) {
 		{"PipeBuffer", testPipeBuffer},
 		{"LateChild", testLateChild},
 		{"ManyRollbacks", testManyRollbacks},
+		{"ResidentPaths", testResidentPaths},
+		{"CrashMidRollback", testCrashRollback},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, h) })
@@ -167,11 +173,19 @@ func checkpoint(t *testing.T, h Harness, id, label string) string {
 func rollback(t *testing.T, h Harness, id, ck string) {
 	t.Helper()
 	before := h.Engine.Stats()
+	resident := false
+	if h.Resident {
+		c, err := h.Engine.GetCheckpoint(context.Background(), ck)
+		resident = err == nil && c.Resident && c.SandboxID == id
+	}
 	if err := h.Engine.Rollback(context.Background(), id, ck); err != nil {
 		t.Fatalf("rollback to %s: %v", ck, err)
 	}
 	if h.Warm && h.Engine.Stats().StandbysClaimed != before.StandbysClaimed+1 {
 		t.Fatalf("warm rollback to %s did not take the standby path: %+v", ck, h.Engine.Stats())
+	}
+	if resident && h.Engine.Stats().ResidentRollbacks != before.ResidentRollbacks+1 {
+		t.Fatalf("rollback to resident checkpoint %s did not go through its zygotes: %+v", ck, h.Engine.Stats())
 	}
 	h.settle()
 }

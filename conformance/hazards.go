@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
@@ -56,6 +58,34 @@ func testLateChild(t *testing.T, h Harness) {
 // testManyRollbacks rolls back to one checkpoint Harness.Stress times and checks that
 // nothing grows: the engine's descriptors and heap, the sandbox trees on the host, the
 // pool's roots and the standby cache.
+// sandboxFootprint counts the processes in the sandbox's pid namespace (zygotes
+// included) and the anonymous memory its memory cgroup holds (zygotes' pages are
+// charged there too).
+func sandboxFootprint(t *testing.T, h Harness, id string) (procs int, rss int64) {
+	t.Helper()
+	if h.Isolation != "container" {
+		return 0, 0 // gVisor's processes are the sentry's, not the host's
+	}
+	sb, err := h.Engine.Get(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", sb.Init.Pid))
+	dirs, _ := os.ReadDir("/proc")
+	for _, d := range dirs {
+		if l, err := os.Readlink("/proc/" + d.Name() + "/ns/pid"); err == nil && l == ns {
+			procs++
+		}
+	}
+	b, _ := os.ReadFile(filepath.Join("/sys/fs/cgroup/memory/cairn", filepath.Base(sb.Root), "memory.stat"))
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "total_rss "); ok {
+			rss, _ = strconv.ParseInt(v, 10, 64)
+		}
+	}
+	return procs, rss
+}
+
 func testManyRollbacks(t *testing.T, h Harness) {
 	n := h.Stress
 	if n == 0 {
@@ -66,7 +96,7 @@ func testManyRollbacks(t *testing.T, h Harness) {
 	p := spawn(t, h, id, "python3", "-i", "-u")
 	ask(t, h, id, p, "x = 7")
 	ck := checkpoint(t, h, id, "base")
-	measure := func() (fds, trees, roots int, heap uint64) {
+	measure := func() (fds, trees, roots int, heap uint64, procs int, rss int64) {
 		h.Engine.Quiesce()
 		runtime.GC()
 		var ms runtime.MemStats
@@ -76,13 +106,14 @@ func testManyRollbacks(t *testing.T, h Harness) {
 		gens, _ := filepath.Glob(filepath.Join("/sys/fs/cgroup/freezer/cairn", id+"-*"))
 		standbys, _ := h.Engine.StandbyCount(ctx, ck)
 		pool, _ := filepath.Glob(filepath.Join(h.Engine.DataDir(), "pool", "roots", id+"-*"))
-		return len(ents), len(gens) + standbys, len(pool), ms.HeapAlloc
+		procs, rss = sandboxFootprint(t, h, id)
+		return len(ents), len(gens) + standbys, len(pool), ms.HeapAlloc, procs, rss
 	}
 	// Warm up so caches (SQLite's connections, the standby of ck) reach their steady state.
 	for i := 0; i < 20; i++ {
 		rollback(t, h, id, ck)
 	}
-	fds0, trees0, roots0, heap0 := measure()
+	fds0, trees0, roots0, heap0, procs0, rss0 := measure()
 	for i := 0; i < n; i++ {
 		if err := h.Engine.Rollback(ctx, id, ck); err != nil {
 			t.Fatalf("rollback %d: %v", i, err)
@@ -94,12 +125,14 @@ func testManyRollbacks(t *testing.T, h Harness) {
 	}
 	rollback(t, h, id, ck)
 	want(t, "state after many rollbacks", ask(t, h, id, p, "print(x)"), "7")
-	fds1, trees1, roots1, heap1 := measure()
+	fds1, trees1, roots1, heap1, procs1, rss1 := measure()
 	// Bounds, not equalities: whether the last rollback took the standby path or the
 	// restore path changes which root and cgroup the sandbox runs on, not their number.
-	if fds1 > fds0+2 || trees1 > 3 || roots1 > 1 || heap1 > heap0+8<<20 {
-		t.Fatalf("growth over %d rollbacks: fds %d→%d, sandbox trees %d→%d, roots %d→%d, heap %d→%d",
-			n, fds0, fds1, trees0, trees1, roots0, roots1, heap0, heap1)
+	// Inside the sandbox: as many processes (its own, zygotes included) and as much
+	// resident memory as after the warm-up.
+	if fds1 > fds0+2 || trees1 > 3 || roots1 > 1 || heap1 > heap0+8<<20 || procs1 > procs0 || rss1 > rss0+16<<20 {
+		t.Fatalf("growth over %d rollbacks: fds %d→%d, sandbox trees %d→%d, roots %d→%d, heap %d→%d, sandbox processes %d→%d, sandbox memory %d→%d",
+			n, fds0, fds1, trees0, trees1, roots0, roots1, heap0, heap1, procs0, procs1, rss0, rss1)
 	}
 	ps, _ := h.Engine.Processes(ctx, id)
 	running := 0

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"golang.org/x/sys/unix"
@@ -121,7 +122,11 @@ func testResume(t *testing.T, h Harness) {
 	id := sandbox(t, h)
 	p := spawn(t, h, id, "python3", "-i", "-u")
 	ask(t, h, id, p, "x = 'kept'")
-	checkpoint(t, h, id, "latest")
+	// Durable: a resident checkpoint is otherwise in memory for a moment after it
+	// returns, and the "reboot" below would take it.
+	if _, err := e.Checkpoint(ctx, id, engine.CheckpointOptions{Label: "latest", Durable: true}); err != nil {
+		t.Fatal(err)
+	}
 	// The machine "reboots": every process of the sandbox dies behind cairn's back.
 	sb, _ := e.Get(ctx, id)
 	if err := killTree(sb.Init.Pid); err != nil {

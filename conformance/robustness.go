@@ -12,26 +12,36 @@ import (
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
-// CrashEnv carries "SANDBOX:POINT" to a crash-test child process.
+// CrashEnv carries "SANDBOX:POINT" to a crash-test child process, which checkpoints
+// the sandbox, or "SANDBOX:POINT:CHECKPOINT", which rolls it back to CHECKPOINT.
 const CrashEnv = "CAIRN_CONFORMANCE_CRASH"
 
 // CrashMain is called by a backend test's TestMain. In a crash-test child (CrashEnv
-// set) it checkpoints the sandbox with the engine told to die at POINT, and never
-// returns; otherwise it returns at once.
+// set) it checkpoints (or rolls back) the sandbox with the engine told to die at POINT,
+// lets its background work run (a checkpoint's durable copy), and never returns;
+// otherwise it returns at once.
 func CrashMain(open func() (*engine.Engine, error)) {
 	v := os.Getenv(CrashEnv)
 	if v == "" {
 		return
 	}
-	id, point, _ := strings.Cut(v, ":")
+	parts := strings.SplitN(v, ":", 3)
+	id, point := parts[0], parts[1]
 	os.Setenv("CAIRN_TEST_CRASH_AT", point)
 	e, err := open()
 	if err != nil {
 		os.Stderr.WriteString("crash child: " + err.Error() + "\n")
 		os.Exit(3)
 	}
-	_, err = e.Checkpoint(context.Background(), id, engine.CheckpointOptions{Label: "doomed"})
-	os.Stderr.WriteString("crash child: checkpoint returned without crashing: " + errString(err) + "\n")
+	what := "checkpoint"
+	if len(parts) == 3 {
+		what = "rollback"
+		err = e.Rollback(context.Background(), id, parts[2])
+	} else {
+		_, err = e.Checkpoint(context.Background(), id, engine.CheckpointOptions{Label: "doomed"})
+	}
+	e.Close() // background work: the crash may be there
+	os.Stderr.WriteString("crash child: " + what + " returned without crashing: " + errString(err) + "\n")
 	os.Exit(4)
 }
 
@@ -51,8 +61,13 @@ func testCrash(t *testing.T, h Harness) {
 	p := spawn(t, h, id, "python3", "-i", "-u")
 	ask(t, h, id, p, "x = 1")
 	good := checkpoint(t, h, id, "good")
-	points := []string{"checkpoint-frozen", "checkpoint-staged", "checkpoint-published"}
-	if h.Isolation == "container" {
+	points := []string{"checkpoint-stopped", "checkpoint-frozen", "checkpoint-staged", "checkpoint-published"}
+	switch {
+	case h.Resident:
+		// The checkpoint is committed; its durable copy is written, not recorded: the next
+		// engine records it (the zygotes survive cairn).
+		points = append(points, "durable-written")
+	case h.Isolation == "container":
 		// CRIU has written the images and still holds the tree (ptrace): the crash leaves
 		// it to a CRIU whose caller is gone.
 		points = append(points, "checkpoint-dumped")
@@ -72,9 +87,17 @@ func testCrash(t *testing.T, h Harness) {
 				t.Fatal(err)
 			}
 			for _, c := range tree {
-				if c.Label == "doomed" {
+				if c.Label != "doomed" {
+					continue
+				}
+				if point != "durable-written" {
 					t.Fatalf("half checkpoint %s is listed after a crash at %s", c.ID, point)
 				}
+				// Committed before the crash: it stays, made durable by the new engine.
+				if _, err := e2.DeleteCheckpoint(ctx, c.ID, false); err != nil {
+					t.Fatal(err)
+				}
+				e2.Quiesce()
 			}
 			if leftovers := e2.Leftovers(); len(leftovers) > 0 {
 				t.Fatalf("leftovers after recovery from a crash at %s: %v", point, leftovers)

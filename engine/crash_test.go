@@ -188,7 +188,8 @@ func rewriteCrashChild(t *testing.T, name string) {
 			tc = c
 		}
 	}
-	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	// The CRIU path's images: every checkpoint a dump of the tree (no zygotes).
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, -1 })
 	ctx := context.Background()
 	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
 	if err != nil {

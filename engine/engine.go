@@ -64,6 +64,10 @@ type Config struct {
 	// 289 to 6.5 ms, but W1's checkpoint p50 from ~79 to ~92 ms (the restores compete
 	// for memory bandwidth and the page allocator with the dump, nice or not).
 	StandbyRestores int
+	// Residents is how many checkpoints of each sandbox stay resident (held by zygotes,
+	// see resident.go) at most (0: DefaultResidents; -1: none, every checkpoint is a
+	// CRIU dump).
+	Residents int
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)
 }
@@ -101,6 +105,8 @@ type Engine struct {
 	// images guards image directories: CRIU restores read-lock it, rewrites of a
 	// directory's pagemaps and links lock it.
 	images *imagesGuard
+	// durable queues the durable copies of resident checkpoints (resident.go).
+	durable durableState
 }
 
 // Open opens (creating on first use) the data directory and its pool.
@@ -134,6 +140,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	if cfg.MaxStandbys == 0 {
 		cfg.MaxStandbys = DefaultMaxStandbys
+	}
+	if cfg.Residents == 0 {
+		cfg.Residents = DefaultResidents
 	}
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}

@@ -130,11 +130,12 @@ func (e *Engine) lockCompaction() func() {
 	}
 }
 
-// compactLater queues the compaction of a just-committed checkpoint. One background
-// worker compacts in commit order, so a parent is compacted before its child and the
-// child's depth is final when it is measured.
+// compactLater queues the compaction of a just-committed checkpoint (or of a resident
+// checkpoint whose durable copy was just written). One background worker compacts in
+// commit order, so a parent is compacted before its child and the child's depth is
+// final when it is measured.
 func (e *Engine) compactLater(ck *model.Checkpoint) {
-	if ck.Method != methodFull || ck.Parent == "" {
+	if ck.Method != methodFull && ck.Method != methodZygoteImages || ck.Parent == "" {
 		return
 	}
 	e.bgMu.Lock()
@@ -163,28 +164,89 @@ func (e *Engine) compactLater(ck *model.Checkpoint) {
 	}
 }
 
+// Image directories. A CRIU dump of a tree has one, images/<checkpoint>, with every task
+// in it; the durable copy of a resident checkpoint one per process,
+// images/<checkpoint>/procs/<pid>, each compacted against the directory of the same
+// process in the parent checkpoint (its own per-process directory, or the parent's tree
+// directory, where the process is a task like any other).
+
+// taskDirs returns the per-process image directories of a checkpoint's durable copy
+// (none for other checkpoints), by process ID.
+func (e *Engine) taskDirs(ck *model.Checkpoint) map[string]string {
+	base := filepath.Join(e.imagesPath(ck.Images), procsDir)
+	ents, _ := os.ReadDir(base)
+	out := map[string]string{}
+	for _, d := range ents {
+		if d.IsDir() && !strings.HasSuffix(d.Name(), ".tmp") {
+			out[d.Name()] = filepath.Join(base, d.Name())
+		}
+	}
+	return out
+}
+
+// procsDir is the subdirectory of a resident checkpoint's per-process images
+// (isolation/container).
+const procsDir = "procs"
+
+// parentTaskDir is the directory that process pid's images of a checkpoint compact
+// against in its parent checkpoint p, or "" if p has none for it.
+func (e *Engine) parentTaskDir(p *model.Checkpoint, pid string) string {
+	switch p.Method {
+	case methodZygoteImages:
+		return e.taskDirs(p)[pid]
+	case methodFull, methodIncremental:
+		dir := e.imagesPath(p.Images)
+		if _, err := os.Stat(filepath.Join(dir, "pagemap-"+pid+".img")); err == nil {
+			return dir
+		}
+	}
+	return ""
+}
+
 // compact rewrites checkpoint id's images against its parent's, if both still exist,
-// are CRIU images and the chain has room.
+// have CRIU images and the chain has room.
 func (e *Engine) compact(ctx context.Context, id string) error {
 	crashPoint("compact-start")
 	unlock := e.lockCompaction()
 	defer unlock()
 	ck, err := e.db.Checkpoint(ctx, id)
-	if err != nil || ck.Method != methodFull || ck.Parent == "" {
+	if err != nil || ck.Method != methodFull && ck.Method != methodZygoteImages || ck.Parent == "" {
 		return nil // deleted meanwhile, or not a candidate
 	}
 	p, err := e.db.Checkpoint(ctx, ck.Parent)
-	if err != nil || p.Method != methodFull && p.Method != methodIncremental {
+	if err != nil {
 		return nil
 	}
-	dir, pdir := e.imagesPath(ck.Images), e.imagesPath(p.Images)
-	if depth, err := incremental.Depth(pdir); err != nil || depth+1 > incremental.MaxDepth {
-		return err
-	}
 	start := time.Now()
+	dir := e.imagesPath(ck.Images)
 	before := DirBytes(dir)
-	if _, err := incremental.Compact(dir, pdir, incremental.Options{Switch: e.images}); err != nil {
-		return err
+	// The directories to compact, each with its parent's.
+	pairs := map[string]string{}
+	if ck.Method == methodFull {
+		if p.Method == methodFull || p.Method == methodIncremental {
+			pairs[dir] = e.imagesPath(p.Images)
+		}
+	} else {
+		for pid, d := range e.taskDirs(ck) {
+			if pd := e.parentTaskDir(p, pid); pd != "" {
+				pairs[d] = pd
+			}
+		}
+	}
+	linked := false
+	for d, pd := range pairs {
+		if depth, err := incremental.Depth(pd); err != nil || depth+1 > incremental.MaxDepth {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		if _, err := incremental.Compact(d, pd, incremental.Options{Switch: e.images}); err != nil {
+			return err
+		}
+		if l, _ := incremental.Parent(d); l != "" {
+			linked = true
+		}
 	}
 	crashPoint("compact-done")
 	after := DirBytes(dir)
@@ -193,15 +255,20 @@ func (e *Engine) compact(ctx context.Context, id string) error {
 		st.CompactionMS += float64(time.Since(start).Microseconds()) / 1000
 		st.CompactionSavedBytes += before - after
 	})
-	if linked, _ := incremental.Parent(dir); linked == "" {
+	if !linked {
 		return nil // nothing shared with the parent: stays full
 	}
-	return e.db.SetCheckpointImages(ctx, id, methodIncremental, after)
+	method := ck.Method
+	if method == methodFull {
+		method = methodIncremental
+	}
+	return e.db.SetCheckpointImages(ctx, id, method, after)
 }
 
 // removeImages removes a checkpoint's images directory after rebasing every directory
-// linked to it onto its own parent. If a rebase fails the directory is kept (a later
-// sweep retries): a leftover is better than a broken survivor.
+// linked to it (or to one of its per-process directories) onto its own parent. If a
+// rebase fails the directory is kept (a later sweep retries): a leftover is better than
+// a broken survivor.
 //
 // Preconditions: the checkpoint's row is gone (nothing new can start from it).
 func (e *Engine) removeImages(ctx context.Context, id string) {
@@ -214,16 +281,12 @@ func (e *Engine) removeImages(ctx context.Context, id string) {
 	for _, child := range e.linkedTo(dir) {
 		res, err := incremental.Rebase(child, incremental.Options{Switch: e.images})
 		if err != nil {
-			e.cfg.Logf("rebase the images of %s off %s: %v (kept %s)", filepath.Base(child), id, err, dir)
+			e.cfg.Logf("rebase the images of %s off %s: %v (kept %s)", child, id, err, dir)
 			return
 		}
 		crashPoint("rebase-done")
-		method := methodIncremental
-		if p, _ := incremental.Parent(child); p == "" {
-			method = methodFull
-		}
-		if res.Tasks > 0 || method == methodFull {
-			e.db.SetCheckpointImages(ctx, filepath.Base(child), method, DirBytes(child))
+		if res.Tasks > 0 {
+			e.recordImages(ctx, child)
 		}
 	}
 	e.images.Lock()
@@ -231,14 +294,53 @@ func (e *Engine) removeImages(ctx context.Context, id string) {
 	os.RemoveAll(dir)
 }
 
-// linkedTo lists the images directories whose parent link points to dir.
+// recordImages brings the row of the checkpoint owning image directory d in line with
+// the disk (its method and bytes), after a rebase of d.
+func (e *Engine) recordImages(ctx context.Context, d string) {
+	rel, err := filepath.Rel(e.imagesPath(imagesDir), d)
+	if err != nil {
+		return
+	}
+	id := strings.SplitN(rel, string(filepath.Separator), 2)[0]
+	ck, err := e.db.Checkpoint(ctx, id)
+	if err != nil {
+		return
+	}
+	method := ck.Method
+	if method == methodIncremental || method == methodFull {
+		method = methodIncremental
+		if p, _ := incremental.Parent(d); p == "" {
+			method = methodFull
+		}
+	}
+	e.db.SetCheckpointImages(ctx, id, method, DirBytes(e.imagesPath(ck.Images)))
+}
+
+// linkedTo lists the image directories (a checkpoint's, or one of its processes') whose
+// parent link points to dir or into it.
 func (e *Engine) linkedTo(dir string) []string {
+	var out []string
+	for _, c := range e.allImageDirs() {
+		if p, err := incremental.Parent(c); err == nil && (p == dir || strings.HasPrefix(p, dir+string(filepath.Separator))) {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// allImageDirs lists every image directory of the data directory: images/<id> and
+// images/<id>/procs/<pid>.
+func (e *Engine) allImageDirs() []string {
 	ents, _ := os.ReadDir(e.imagesPath(imagesDir))
 	var out []string
 	for _, d := range ents {
 		c := e.imagesPath(filepath.Join(imagesDir, d.Name()))
-		if p, err := incremental.Parent(c); err == nil && p == dir {
-			out = append(out, c)
+		out = append(out, c)
+		procs, _ := os.ReadDir(filepath.Join(c, procsDir))
+		for _, p := range procs {
+			if p.IsDir() {
+				out = append(out, filepath.Join(c, procsDir, p.Name()))
+			}
 		}
 	}
 	return out
@@ -257,6 +359,16 @@ func (e *Engine) recoverImages(ctx context.Context) {
 		return
 	}
 	for _, ck := range cks {
+		if ck.Method == methodZygoteImages {
+			for _, d := range e.taskDirs(ck) {
+				if err := incremental.Sweep(d); err != nil {
+					e.cfg.Logf("sweep the images of checkpoint %s: %v", ck.ID, err)
+				}
+			}
+			e.db.SetCheckpointImages(ctx, ck.ID, ck.Method, DirBytes(e.imagesPath(ck.Images)))
+			e.compactLater(ck)
+			continue
+		}
 		if ck.Method != methodFull && ck.Method != methodIncremental {
 			continue
 		}
@@ -295,12 +407,21 @@ func (e *Engine) imageLeftovers() []string {
 			continue // a checkpoint's own staging, which sweep lists
 		}
 		rel := filepath.Join(imagesDir, d.Name())
-		l, err := incremental.Leftovers(e.imagesPath(rel))
-		if err != nil {
-			out = append(out, rel+": "+err.Error())
+		rels := []string{rel}
+		procs, _ := os.ReadDir(filepath.Join(e.imagesPath(rel), procsDir))
+		for _, p := range procs {
+			if p.IsDir() {
+				rels = append(rels, filepath.Join(rel, procsDir, p.Name()))
+			}
 		}
-		for _, f := range l {
-			out = append(out, filepath.Join(rel, f))
+		for _, r := range rels {
+			l, err := incremental.Leftovers(e.imagesPath(r))
+			if err != nil {
+				out = append(out, r+": "+err.Error())
+			}
+			for _, f := range l {
+				out = append(out, filepath.Join(r, f))
+			}
 		}
 	}
 	return out
@@ -322,6 +443,12 @@ func (e *Engine) withDepth(ck *model.Checkpoint, err error) (*model.Checkpoint, 
 		ck.MethodReason = dumped + ", kept full: " + e.whyFull(ck)
 	case "runsc-save":
 		ck.MethodReason = "gVisor: runsc saves the whole sandbox, kernel state included; its images are not compacted"
+	case methodZygote, methodZygoteImages:
+		ck.Resident = e.isResident(ck)
+		ck.MethodReason = residentReason(ck)
+	}
+	if why, err := os.ReadFile(filepath.Join(e.imagesPath(ck.Images), whyFile)); err == nil {
+		ck.MethodReason += "; not kept resident: " + strings.TrimSpace(string(why))
 	}
 	return ck, nil
 }

@@ -18,7 +18,8 @@ import (
 // through the chain (no standbys: every rollback is a CRIU restore), and that taking a
 // checkpoint out of the middle of the chain leaves its descendants restorable.
 func TestIncrementalImages(t *testing.T) {
-	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	// The CRIU path's images: every checkpoint a dump of the tree (no zygotes).
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, -1 })
 	ctx := context.Background()
 	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
 	if err != nil {

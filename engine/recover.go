@@ -40,6 +40,7 @@ func (e *Engine) recover(ctx context.Context) error {
 	e.recoverStandbys(ctx)
 	_, err = e.sweep(ctx, false)
 	e.recoverImages(ctx)
+	e.recoverResidents(ctx)
 	return err
 }
 
@@ -102,6 +103,7 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 		if rest, ok := strings.CutPrefix(d.Name(), stagingDir+"-"); ok {
 			if unlock, ok := e.tryLock(owner(rest)); ok {
 				if !dryRun {
+					e.dropZygotes(e.imagesPath(name))
 					os.RemoveAll(e.imagesPath(name))
 				}
 				removed = append(removed, name)

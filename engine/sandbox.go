@@ -186,6 +186,10 @@ func (e *Engine) stopLocked(ctx context.Context, id string) (*model.Sandbox, fun
 	if err != nil {
 		return nil, nil, err
 	}
+	// Its resident checkpoints outlive its processes only once durable.
+	if err := e.settleResidents(ctx, sb); err != nil {
+		e.cfg.Logf("stop %s: %v", id, err)
+	}
 	b, err := e.backend(sb.Isolation)
 	if err == nil {
 		err = b.Stop(ctx, e.isb(sb))

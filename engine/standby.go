@@ -57,6 +57,14 @@ type Stats struct {
 	Compactions          int     `json:"compactions"`
 	CompactionMS         float64 `json:"compaction_ms"`
 	CompactionSavedBytes int64   `json:"compaction_saved_bytes"`
+	// ResidentRollbacks counts rollbacks through zygotes (resident.go); DurableCopies
+	// the durable copies written of resident checkpoints and DurableMS their time (also
+	// in BackgroundMS); ResidentsEvicted the resident checkpoints whose zygotes were
+	// ended to keep within Config.Residents.
+	ResidentRollbacks int     `json:"resident_rollbacks"`
+	DurableCopies     int     `json:"durable_copies"`
+	DurableMS         float64 `json:"durable_ms"`
+	ResidentsEvicted  int     `json:"residents_evicted"`
 }
 
 // Stats returns the engine's counters.
@@ -95,6 +103,10 @@ func (e *Engine) Prewarm(ctx context.Context, checkpointID string, n int) error 
 	}
 	if _, ok := b.(isolation.FrozenRestorer); !ok {
 		return errdefs.FailedPrecondition("%s checkpoints have no standbys: rollbacks and forks of %s restore it (container isolation has thaw-speed standbys)", iso, ck.ID)
+	}
+	// Standbys restore images: a resident checkpoint's durable copy must be written.
+	if err := e.ensureDurable(ctx, ck); err != nil {
+		return err
 	}
 	ready, err := e.db.StandbysOf(ctx, ck.ID)
 	if err != nil {

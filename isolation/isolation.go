@@ -18,6 +18,7 @@ package isolation
 
 import (
 	"context"
+	"errors"
 	"syscall"
 	"time"
 
@@ -72,6 +73,37 @@ type MemoryReporter interface {
 	// MemoryBytes is the anonymous memory resident for the sandbox's processes.
 	MemoryBytes(sb *Sandbox) (int64, error)
 }
+
+// Resident is implemented by backends that can keep a checkpoint in memory, as zygotes:
+// frozen copy-on-write copies of the sandbox's processes, which a rollback of the same
+// sandbox forks again. Neither path copies memory. A resident checkpoint's directory
+// holds a record of its zygotes at first; MakeDurable adds process images (off the
+// critical path), after which Restore and RestoreFrozen accept the directory like any
+// other and the zygotes are a cache that DropResident may end.
+type Resident interface {
+	// CheckpointResident is Checkpoint keeping the processes as zygotes: hooks.Frozen
+	// runs while they are stopped and their zygotes exist. If the sandbox's processes
+	// cannot be kept so, it returns an error wrapping ErrNotResident with the reason, and
+	// the sandbox runs on unchanged.
+	CheckpointResident(ctx context.Context, sb *Sandbox, dir string, hooks Hooks) error
+	// RollbackResident brings sb's processes back to the resident checkpoint in dir: it
+	// kills them, calls revert, which must bring sb.Root's files back to the
+	// checkpoint's in place (the zygotes' descriptors point at its inodes), and forks the
+	// checkpoint's processes from the zygotes. ErrNotResident if the zygotes are gone or
+	// belong to another generation of the sandbox (nothing was done then); any other
+	// error leaves sb without its processes, to be restored from images.
+	RollbackResident(ctx context.Context, sb *Sandbox, dir string, revert func(context.Context) error) error
+	// MakeDurable writes process images of the resident checkpoint in dir, from its
+	// zygotes, so that it outlives them. sb is the sandbox they belong to.
+	MakeDurable(ctx context.Context, sb *Sandbox, dir string) error
+	// IsResident reports whether dir's zygotes are alive and belong to sb as it runs.
+	IsResident(sb *Sandbox, dir string) bool
+	// DropResident kills dir's zygotes (if any).
+	DropResident(dir string) error
+}
+
+// ErrNotResident says that a sandbox cannot be kept, or is not kept, as zygotes.
+var ErrNotResident = errors.New("not resident")
 
 // Proc identifies a host process across PID reuse.
 type Proc struct {

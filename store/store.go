@@ -301,6 +301,11 @@ func (s *Store) Checkpoints(ctx context.Context) ([]*model.Checkpoint, error) {
 	return s.checkpoints(ctx, `ORDER BY created_at`)
 }
 
+// CheckpointsOf lists the checkpoints taken of one sandbox, oldest first.
+func (s *Store) CheckpointsOf(ctx context.Context, sandboxID string) ([]*model.Checkpoint, error) {
+	return s.checkpoints(ctx, `WHERE sandbox_id=? ORDER BY created_at`, sandboxID)
+}
+
 // DeleteCheckpoints removes checkpoint rows and re-parents their children onto the
 // deleted checkpoint's parent, in one transaction.
 func (s *Store) DeleteCheckpoints(ctx context.Context, ids []string) error {

@@ -35,6 +35,9 @@ type server struct {
 	procs map[int]*proc
 	// byHandle; protected by mu.
 	byHandle map[string]*proc
+	// held are stdin FIFO holds kept between forget and reload, by handle; protected
+	// by mu.
+	held map[string]int
 }
 
 func serve() error {
@@ -105,6 +108,11 @@ func (s *server) do(req *initctl.Request) (int, error) {
 			return 0, errors.New("spawn needs a command")
 		}
 		return s.spawn(req.Handle, req.Spec)
+	case initctl.OpForget:
+		s.forget()
+		return os.Getpid(), nil
+	case initctl.OpReload:
+		return os.Getpid(), s.reload()
 	}
 	s.mu.Lock()
 	p := s.byHandle[req.Handle]
@@ -125,6 +133,10 @@ func (s *server) do(req *initctl.Request) (int, error) {
 		if p.stdin >= 0 {
 			unix.Close(p.stdin)
 			p.stdin = -1
+		}
+		// On disk too: a rollback in place (reload) must know the stdin was closed.
+		if err := os.WriteFile(initctl.ProcPath(base, p.handle, initctl.StdinClosed), nil, 0o644); err != nil {
+			return 0, err
 		}
 		return p.pid, nil
 	case initctl.OpResize:

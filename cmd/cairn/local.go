@@ -123,8 +123,8 @@ func (l local) Wait(ctx context.Context, id, h string) (*client.ExitStatus, erro
 	return l.e.Wait(ctx, id, h)
 }
 
-func (l local) Checkpoint(ctx context.Context, id, label string) (*client.Checkpoint, error) {
-	return l.e.Checkpoint(ctx, id, engine.CheckpointOptions{Label: label})
+func (l local) Checkpoint(ctx context.Context, id string, req client.CheckpointRequest) (*client.Checkpoint, error) {
+	return l.e.Checkpoint(ctx, id, engine.CheckpointOptions{Label: req.Label, Durable: req.Durable})
 }
 
 func (l local) Rollback(ctx context.Context, id, ck string) (*client.Sandbox, error) {

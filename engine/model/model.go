@@ -50,7 +50,9 @@ type Checkpoint struct {
 	DurationMS float64 `json:"duration_ms"`
 	// Method says how the process half was captured: "criu-full" (a full CRIU dump),
 	// "criu-incremental" (the dump rewritten in the background to hold only the pages
-	// that differ from its parent's images), "runsc-save" (gVisor).
+	// that differ from its parent's images), "runsc-save" (gVisor), "zygote" (frozen
+	// copy-on-write forks of the processes, their durable copy pending) and "zygote-criu"
+	// (the same, with CRIU images of each process written from them).
 	Method string `json:"method"`
 	// ImagesDepth is, for criu-incremental, how many parent image directories a restore
 	// reads through (1: the parent's images are full).
@@ -58,6 +60,10 @@ type Checkpoint struct {
 	// MethodReason says, in a sentence, why the checkpoint is stored as Method (filled
 	// when one checkpoint is read, e.g. by `cairn inspect`).
 	MethodReason string `json:"method_reason,omitempty"`
+	// Resident says that the checkpoint's processes are held in memory by zygotes (method
+	// "zygote" or "zygote-criu"): a rollback of its sandbox forks them again, without a
+	// restore (filled when one checkpoint is read).
+	Resident bool `json:"resident,omitempty"`
 	// Isolation is the backend the checkpoint was taken with (its copies run on it).
 	Isolation string `json:"isolation,omitempty"`
 	// PhasesMS is where the critical path's time went, in milliseconds.

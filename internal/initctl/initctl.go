@@ -15,6 +15,7 @@
 //	/.cairn/proc/<handle>/stdin  FIFO; init holds it open read-write until CloseStdin
 //	/.cairn/proc/<handle>/stdout, stderr   append-only output files (pty mode: stdout only)
 //	/.cairn/proc/<handle>/exit   ExitStatus JSON, written once by init when reaped
+//	/.cairn/proc/<handle>/stdin.closed  present once the host closed the process's stdin
 //	/.cairn/ready                written by init when it serves requests
 //
 // Process handles are chosen by the host ("p" + lowercase alphanumerics) and stay valid
@@ -57,7 +58,17 @@ const (
 	OpCloseStdin = "close-stdin"
 	OpResize     = "resize"
 	OpPing       = "ping"
+	// OpForget makes init drop every process it knows, without recording their exits:
+	// the host is about to kill them for a rollback in place (zygotes).
+	OpForget = "forget"
+	// OpReload makes init learn its processes again from the files under ProcDir: every
+	// process with a spec and no exit record that is alive and init's child. It follows
+	// OpForget once the rolled-back processes exist.
+	OpReload = "reload"
 )
+
+// StdinClosed is the marker file of a process whose stdin the host closed.
+const StdinClosed = "stdin.closed"
 
 // Request is one command to init.
 type Request struct {

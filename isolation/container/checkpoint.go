@@ -11,6 +11,7 @@ import (
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
 	"golang.org/x/sys/unix"
 )
 
@@ -25,6 +26,10 @@ import (
 func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir string, hooks isolation.Hooks) (err error) {
 	if !b.Running(sb) {
 		return errdefs.FailedPrecondition("sandbox %s is not running", sb.ID)
+	}
+	if hasZygotes(sb.CgroupName()) {
+		// They are init's children: CRIU would dump them with the tree.
+		return errdefs.FailedPrecondition("sandbox %s has resident checkpoints (zygotes): end them before a CRIU dump of its tree", sb.ID)
 	}
 	// CRIU's start-up is taken off the freeze: a worker started after the previous
 	// checkpoint, or one starting now while the tree is frozen and the hook runs.
@@ -108,6 +113,12 @@ func (b *Backend) Activate(ctx context.Context, sb *isolation.Sandbox) error {
 }
 
 func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string, frozen bool) error {
+	if perProcess(dir) {
+		return b.restoreProcs(ctx, sb, dir, frozen)
+	}
+	if _, ok, _ := zygote.Read(dir); ok {
+		return errdefs.FailedPrecondition("the checkpoint is held in memory only (zygotes): its durable copy is not written yet; wait for it, or roll its own sandbox back to it")
+	}
 	if err := createCgroups(sb.CgroupName(), sb.Limits); err != nil {
 		return err
 	}
@@ -140,6 +151,11 @@ func (b *Backend) restore(ctx context.Context, sb *isolation.Sandbox, dir string
 		return rerr
 	}
 	if sb.Init, err = isolation.ProcOf(pid); err != nil {
+		return err
+	}
+	// New processes of a restored tree get PIDs from UserPidBase up too (see Start).
+	if err := b.res.setPidBase(sb.Init); err != nil {
+		b.Stop(ctx, sb)
 		return err
 	}
 	if frozen {

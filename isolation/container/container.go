@@ -35,6 +35,8 @@ type Backend struct {
 	// started ahead of the next restore (workers.go).
 	workers   workerPool
 	restorers restorePool
+	// res keeps the zygotes' tracer and helpers (resident.go).
+	res residents
 }
 
 // New returns a backend that boots sandboxes with the cairn-init binary at initBinary.
@@ -57,6 +59,12 @@ type setupConfig struct {
 
 // Start implements isolation.Backend.
 func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
+	return b.start(ctx, sb, true)
+}
+
+// start boots init; pidBase: and sets the sandbox's PID base (a restore of processes
+// into it sets it after them).
+func (b *Backend) start(ctx context.Context, sb *isolation.Sandbox, pidBase bool) error {
 	if err := initctl.Install(b.initBinary, sb.Root); err != nil {
 		return err
 	}
@@ -109,16 +117,32 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 		return fail(err)
 	}
 	sb.Init = init
+	// The sandbox's own processes get PIDs from UserPidBase up, above those of init's
+	// threads (Go starts them as it likes): a process restored alone into a fresh
+	// sandbox (a zygote checkpoint's images) finds its PID free there.
+	if !pidBase {
+		return nil
+	}
+	if err := b.res.setPidBase(sb.Init); err != nil {
+		b.res.stopped(init)
+		return fail(err)
+	}
 	return nil
 }
+
+// UserPidBase is the first PID of a container sandbox's processes.
+const UserPidBase = 1000
 
 // Stop implements isolation.Backend.
 func (b *Backend) Stop(ctx context.Context, sb *isolation.Sandbox) error {
 	b.workers.stopped(sb)
-	// A frozen tree cannot die: thaw after the kill is queued.
+	b.res.stopped(sb.Init)
+	// A frozen tree cannot die: thaw after the kill is queued. The zygotes are frozen
+	// in cgroups of their own, and the dying pid namespace waits for them too.
 	if b.Running(sb) {
 		unix.Kill(sb.Init.Pid, unix.SIGKILL)
 	}
+	dropAllZygotes(sb.CgroupName())
 	for _, p := range cgroupPids(sb.CgroupName()) {
 		unix.Kill(p, unix.SIGKILL)
 	}
@@ -134,10 +158,15 @@ func (b *Backend) Stop(ctx context.Context, sb *isolation.Sandbox) error {
 	return removeCgroups(sb.CgroupName())
 }
 
-// Running implements isolation.Backend.
+// Running implements isolation.Backend. An init that is exiting is not running (its
+// zygotes, frozen, would keep it from exiting: they are ended).
 func (b *Backend) Running(sb *isolation.Sandbox) bool {
-	if sb.Init.Pid == 0 {
+	if sb.Init.Pid == 0 || !sb.Init.Alive() {
 		return false
 	}
-	return sb.Init.Alive()
+	if initDying(sb.Init) {
+		dropAllZygotes(sb.CgroupName())
+		return false
+	}
+	return true
 }

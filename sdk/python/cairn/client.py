@@ -556,9 +556,16 @@ class Sandbox:
 
     # -- checkpoints ---------------------------------------------------------------
 
-    def checkpoint(self, label: Optional[str] = None) -> "Checkpoint":
-        """Take a joint checkpoint (filesystem + every process); it becomes the head."""
+    def checkpoint(self, label: Optional[str] = None, durable: bool = False) -> "Checkpoint":
+        """Take a joint checkpoint (filesystem + every process); it becomes the head.
+
+        A container sandbox of simple processes is checkpointed *resident*: each process
+        forks a frozen copy-on-write copy of itself, no memory is copied, and its durable
+        copy is written in the background. ``durable=True`` returns only once the
+        checkpoint is on disk whole."""
         body = {"label": label} if label else {}
+        if durable:
+            body["durable"] = True
         ck = Checkpoint(self.client, self.client._t.call("POST", self._path("checkpoints"), json_body=body))
         self.head = ck.id
         return ck

@@ -1,0 +1,144 @@
+package conformance
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cairn-sandbox/cairn/engine"
+	"github.com/cairn-sandbox/cairn/engine/model"
+)
+
+// Resident checkpoints (zygotes): which sandboxes get them, what inspect says about
+// the others, and that a sandbox moves between the two paths without losing a
+// checkpoint. Only where the engine keeps checkpoints resident (Harness.Resident).
+
+// methodOf returns a checkpoint as inspect shows it.
+func methodOf(t *testing.T, h Harness, ck string) *model.Checkpoint {
+	t.Helper()
+	c, err := h.Engine.GetCheckpoint(context.Background(), ck)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+func wantResident(t *testing.T, h Harness, ck string) {
+	t.Helper()
+	c := methodOf(t, h, ck)
+	if !strings.HasPrefix(c.Method, "zygote") || !c.Resident || !strings.Contains(c.MethodReason, "zygotes") {
+		t.Fatalf("checkpoint %s: method %q, resident %v, reason %q; want a resident zygote checkpoint", ck, c.Method, c.Resident, c.MethodReason)
+	}
+}
+
+func wantDumped(t *testing.T, h Harness, ck, because string) {
+	t.Helper()
+	c := methodOf(t, h, ck)
+	if !strings.HasPrefix(c.Method, "criu") || !strings.Contains(c.MethodReason, because) {
+		t.Fatalf("checkpoint %s: method %q, reason %q; want a CRIU dump because of %q", ck, c.Method, c.MethodReason, because)
+	}
+}
+
+func testResidentPaths(t *testing.T, h Harness) {
+	if !h.Resident {
+		t.Skip("the engine keeps no checkpoint resident")
+	}
+	ctx := context.Background()
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, "import threading, socket; x = 1")
+	resident := checkpoint(t, h, id, "resident")
+	wantResident(t, h, resident)
+
+	// Ineligible processes, one at a time: the checkpoint is a CRIU dump and says why,
+	// and once the process is gone the next one is resident again.
+	cases := []struct {
+		name, start, stop, because string
+	}{
+		{"thread blocked in a futex", "ev = threading.Event(); th = threading.Thread(target=ev.wait); th.start()", "ev.set(); th.join()", "threads"},
+		{"listening socket", "ls = socket.socket(); ls.bind(('127.0.0.1', 0)); ls.listen()", "ls.close()", "socket"},
+	}
+	for _, c := range cases {
+		ask(t, h, id, p, c.start)
+		dumped := checkpoint(t, h, id, c.name)
+		wantDumped(t, h, dumped, c.because)
+		ask(t, h, id, p, c.stop+"; x += 1")
+		again := checkpoint(t, h, id, "after "+c.name)
+		wantResident(t, h, again)
+		// Rolling back to the dumped checkpoint gives the ineligible state back...
+		rollback(t, h, id, dumped)
+		want(t, c.name+" after rollback", ask(t, h, id, p, c.stop+"; print('ok')"), "ok")
+	}
+	// ... and the first, resident checkpoint, whose zygotes the CRIU dumps ended, is
+	// restored from its durable copy.
+	if methodOf(t, h, resident).Resident {
+		t.Fatalf("checkpoint %s is still resident after CRIU dumps of its sandbox", resident)
+	}
+	rollback(t, h, id, resident)
+	want(t, "REPL at the first checkpoint", ask(t, h, id, p, "print(x)"), "1")
+	again := checkpoint(t, h, id, "resident again")
+	wantResident(t, h, again)
+
+	// A process tree: a child of a child of init.
+	tree := spawn(t, h, id, "sh", "-c", "sleep 1000 & wait")
+	waitRunning(t, h, id, "sleep")
+	wantDumped(t, h, checkpoint(t, h, id, "tree"), "not a child of init")
+	h.Engine.Signal(ctx, id, tree, 9)
+
+	// Durable on request: the checkpoint returns with its images written.
+	ck, err := h.Engine.Checkpoint(ctx, id, engine.CheckpointOptions{Label: "durable", Durable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Method != "zygote-criu" {
+		t.Fatalf("durable checkpoint: method %q, want zygote-criu", ck.Method)
+	}
+}
+
+// waitRunning waits until a process whose command contains name runs in the sandbox.
+func waitRunning(t *testing.T, h Harness, id, name string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if strings.Contains(sh(t, h, id, "ps -eo args"), name) {
+			return
+		}
+	}
+	t.Fatalf("no %s process in sandbox %s", name, id)
+}
+
+// testCrashRollback kills cairn in the middle of a rollback through zygotes (the
+// processes killed, the root not yet reverted; the processes forked again, not yet
+// recorded): the next engine finds the sandbox by its mark and rolls it back again.
+func testCrashRollback(t *testing.T, h Harness) {
+	if !h.Resident || h.Crash == nil {
+		t.Skip("the engine keeps no checkpoint resident")
+	}
+	ctx := context.Background()
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, "x = 1")
+	sh(t, h, id, "echo one > /file")
+	good := checkpoint(t, h, id, "good")
+	for _, point := range []string{"resident-rollback-killed", "resident-rollback-spawned"} {
+		t.Run(point, func(t *testing.T) {
+			ask(t, h, id, p, "x = 2")
+			sh(t, h, id, "echo two > /file")
+			h.Crash(t, id, point+":"+good)
+			e2, err := h.Reopen()
+			if err != nil {
+				t.Fatalf("reopen after crash: %v", err)
+			}
+			defer e2.Close()
+			if leftovers := e2.Leftovers(); len(leftovers) > 0 {
+				t.Fatalf("leftovers after recovery from a crash at %s: %v", point, leftovers)
+			}
+			sb, err := e2.Get(ctx, id)
+			if err != nil || sb.State != model.StateRunning || sb.Head != good {
+				t.Fatalf("sandbox after crash: %+v %v (want running, head %s)", sb, err, good)
+			}
+			want(t, "REPL after crash", ask(t, h, id, p, "print(x)"), "1")
+			want(t, "file after crash", sh(t, h, id, "cat /file"), "one\n")
+		})
+	}
+}

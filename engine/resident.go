@@ -1,0 +1,453 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/storage"
+)
+
+// Resident checkpoints. Where the backend can (isolation.Resident: the container
+// backend's zygotes) and the sandbox's processes allow it, a checkpoint keeps the
+// processes in memory, as frozen copy-on-write forks, instead of dumping them: its
+// critical path is a freeze by ptrace, a fork per process and the filesystem snapshot.
+// A rollback of the same sandbox to it forks the processes again and brings the root's
+// files back in place (storage.Reverter), without a new root, a CRIU restore or a copy
+// of memory.
+//
+// Durability follows off the critical path: one background worker writes, in commit
+// order, process images of each resident checkpoint from its zygotes (MakeDurable), and
+// the row then says methodZygoteImages. Until then the checkpoint lives only in memory,
+// which its row says (methodZygote). From then on the zygotes are a cache:
+//   - a rollback that would give the sandbox a new generation (a standby, a CRIU
+//     restore), a stop or a CRIU checkpoint of the sandbox first waits for the pending
+//     durable copies of the sandbox and ends its zygotes (settleResidents);
+//   - each sandbox keeps at most Config.Residents checkpoints resident, the newest;
+//   - a fork, a standby or a resume restores the images, as for any checkpoint.
+//
+// Invariant: a zygote checkpoint whose zygotes are gone has images (methodZygoteImages),
+// except after a machine crash before its durable copy, which recovery reports and
+// deletes (the window is the background copy's, ~100 ms a process).
+
+// Checkpoint methods of resident checkpoints.
+const (
+	methodZygote       = "zygote"
+	methodZygoteImages = "zygote-criu"
+)
+
+// DefaultResidents is how many checkpoints of a sandbox stay resident by default.
+const DefaultResidents = 32
+
+// whyFile holds, in a checkpoint's images directory, why it was not kept resident.
+const whyFile = "method-reason"
+
+// residentOf returns the backend's resident ability, if enabled and present.
+func (e *Engine) residentOf(b isolation.Backend) (isolation.Resident, bool) {
+	if e.cfg.Residents < 0 {
+		return nil, false
+	}
+	r, ok := b.(isolation.Resident)
+	return r, ok
+}
+
+// durableState is the queue of checkpoints whose durable copy is pending.
+type durableState struct {
+	mu sync.Mutex
+	// queue is in commit order; running says whether the worker runs; done closes a
+	// checkpoint's channel when its copy is written (or failed). All protected by mu.
+	queue   []string
+	running bool
+	done    map[string]chan struct{}
+}
+
+// checkpointResident takes the checkpoint with zygotes when it can. It returns false
+// (and why, for the row) when the sandbox's processes are not eligible; the caller then
+// dumps them with CRIU, after settleResidents.
+func (e *Engine) checkpointResident(ctx context.Context, r isolation.Resident, isb *isolation.Sandbox, dir string, hooks isolation.Hooks) (bool, string, error) {
+	err := r.CheckpointResident(ctx, isb, dir, hooks)
+	if errors.Is(err, isolation.ErrNotResident) {
+		return false, err.Error(), nil
+	}
+	return err == nil, "", err
+}
+
+// durableLater queues the durable copy of a just-committed resident checkpoint.
+func (e *Engine) durableLater(id string) {
+	d := &e.durable
+	d.mu.Lock()
+	if d.done == nil {
+		d.done = map[string]chan struct{}{}
+	}
+	if _, queued := d.done[id]; queued {
+		d.mu.Unlock()
+		return
+	}
+	d.done[id] = make(chan struct{})
+	d.queue = append(d.queue, id)
+	start := !d.running
+	d.running = true
+	d.mu.Unlock()
+	if start {
+		e.background(func(ctx context.Context) {
+			lowPriorityThread()
+			for {
+				d.mu.Lock()
+				if len(d.queue) == 0 {
+					d.running = false
+					d.mu.Unlock()
+					return
+				}
+				id := d.queue[0]
+				d.queue = d.queue[1:]
+				d.mu.Unlock()
+				if err := e.makeDurable(ctx, id); err != nil {
+					e.cfg.Logf("durable copy of checkpoint %s: %v", id, err)
+				}
+				d.mu.Lock()
+				close(d.done[id])
+				delete(d.done, id)
+				d.mu.Unlock()
+			}
+		})
+	}
+}
+
+// makeDurable writes the images of resident checkpoint id from its zygotes.
+func (e *Engine) makeDurable(ctx context.Context, id string) error {
+	ck, err := e.db.Checkpoint(ctx, id)
+	if err != nil || ck.Method != methodZygote {
+		return nil // deleted meanwhile, or already durable
+	}
+	sb, err := e.db.Sandbox(ctx, ck.SandboxID)
+	if err != nil {
+		return err
+	}
+	b, err := e.backend(ck.Isolation)
+	if err != nil {
+		return err
+	}
+	r, ok := b.(isolation.Resident)
+	if !ok {
+		return fmt.Errorf("backend %s keeps no zygotes", ck.Isolation)
+	}
+	start := time.Now()
+	dir := e.imagesPath(ck.Images)
+	if err := r.MakeDurable(ctx, e.isb(sb), dir); err != nil {
+		return err
+	}
+	crashPoint("durable-written")
+	n := DirBytes(dir)
+	if err := e.db.SetCheckpointImages(ctx, id, methodZygoteImages, n); err != nil {
+		return err
+	}
+	e.count(func(st *Stats) {
+		st.DurableCopies++
+		st.DurableMS += float64(time.Since(start).Microseconds()) / 1000
+	})
+	ck.Method, ck.ImageBytes = methodZygoteImages, n
+	e.refill(ck, e.cfg.Standbys)
+	e.compactLater(ck)
+	return nil
+}
+
+// waitDurable waits until the durable copies of the given checkpoints are done.
+func (e *Engine) waitDurable(ctx context.Context, ids []string) error {
+	for _, id := range ids {
+		e.durable.mu.Lock()
+		ch := e.durable.done[id]
+		e.durable.mu.Unlock()
+		if ch == nil {
+			continue
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
+}
+
+// ensureDurable returns once checkpoint ck (updated in place) has images: for a
+// resident checkpoint whose durable copy is queued, it waits for it; if the copy is
+// not queued in this engine (another process took the checkpoint), it writes it now.
+func (e *Engine) ensureDurable(ctx context.Context, ck *model.Checkpoint) error {
+	if ck.Method != methodZygote {
+		return nil
+	}
+	if err := e.waitDurable(ctx, []string{ck.ID}); err != nil {
+		return err
+	}
+	cur, err := e.db.Checkpoint(ctx, ck.ID)
+	if err != nil {
+		return err
+	}
+	if cur.Method == methodZygote {
+		if err := e.makeDurable(ctx, ck.ID); err != nil {
+			return fmt.Errorf("durable copy of checkpoint %s: %w", ck.ID, err)
+		}
+		if cur, err = e.db.Checkpoint(ctx, ck.ID); err != nil {
+			return err
+		}
+	}
+	*ck = *cur
+	return nil
+}
+
+// residentsOf lists the checkpoints of sb that have zygotes belonging to sb as it runs,
+// oldest first.
+func (e *Engine) residentsOf(ctx context.Context, sb *model.Sandbox, r isolation.Resident) ([]*model.Checkpoint, error) {
+	cks, err := e.db.CheckpointsOf(ctx, sb.ID)
+	if err != nil {
+		return nil, err
+	}
+	isb := e.isb(sb)
+	var out []*model.Checkpoint
+	for _, ck := range cks {
+		if (ck.Method == methodZygote || ck.Method == methodZygoteImages) && r.IsResident(isb, e.imagesPath(ck.Images)) {
+			out = append(out, ck)
+		}
+	}
+	return out, nil
+}
+
+// settleResidents makes every resident checkpoint of sb durable and ends its zygotes:
+// before sb's processes are replaced by another generation, stopped, or dumped by CRIU
+// (whose dump of the tree would take the zygotes, children of init, in). A checkpoint
+// whose durable copy failed is lost with its zygotes; that is reported.
+//
+// Preconditions: the caller holds sb's lock.
+func (e *Engine) settleResidents(ctx context.Context, sb *model.Sandbox) error {
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return nil
+	}
+	r, ok := b.(isolation.Resident)
+	if !ok {
+		return nil
+	}
+	cks, err := e.db.CheckpointsOf(ctx, sb.ID)
+	if err != nil {
+		return err
+	}
+	var ids []string
+	for _, ck := range cks {
+		if ck.Method == methodZygote || ck.Method == methodZygoteImages {
+			ids = append(ids, ck.ID)
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	if err := e.waitDurable(ctx, ids); err != nil {
+		return err
+	}
+	var errs []error
+	for _, ck := range cks {
+		if !slices.Contains(ids, ck.ID) {
+			continue
+		}
+		if err := r.DropResident(e.imagesPath(ck.Images)); err != nil {
+			errs = append(errs, err)
+		}
+		if ck.Method == methodZygote {
+			if cur, err := e.db.Checkpoint(ctx, ck.ID); err == nil && cur.Method == methodZygote {
+				e.cfg.Logf("checkpoint %s of %s had no durable copy when its zygotes ended; deleting it", ck.ID, sb.ID)
+				e.deleteLost(ctx, ck.ID)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Settle makes the resident checkpoints of sandbox id durable and ends their zygotes,
+// as before a program other than cairn dumps the sandbox's process tree with CRIU
+// (the zygotes are children of its init, and would be dumped with it).
+func (e *Engine) Settle(ctx context.Context, id string) error {
+	unlock, err := e.lock(ctx, id, true)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return err
+	}
+	return e.settleResidents(ctx, sb)
+}
+
+// deleteLost deletes a checkpoint that can no longer be restored (its zygotes are gone
+// and it has no images). Its children stand alone (filesystems are independent copies,
+// images never depend on a checkpoint without images) and are re-parented.
+func (e *Engine) deleteLost(ctx context.Context, id string) {
+	if err := e.deleteCheckpoints(ctx, []string{id}); err != nil {
+		e.cfg.Logf("delete lost checkpoint %s: %v", id, err)
+	}
+}
+
+// evictResidents ends the zygotes of sb's oldest resident checkpoints beyond
+// Config.Residents, once they are durable (the worker is in commit order, so waiting for
+// them waits for nothing newer). Runs in the background after a checkpoint.
+func (e *Engine) evictResidents(sb *model.Sandbox, r isolation.Resident) {
+	e.background(func(ctx context.Context) {
+		res, err := e.residentsOf(ctx, sb, r)
+		if err != nil || len(res) <= e.cfg.Residents {
+			return
+		}
+		for _, ck := range res[:len(res)-e.cfg.Residents] {
+			if err := e.waitDurable(ctx, []string{ck.ID}); err != nil {
+				return
+			}
+			cur, err := e.db.Checkpoint(ctx, ck.ID)
+			if err != nil || cur.Method != methodZygoteImages {
+				continue // deleted, or its copy failed: keep what is left of it
+			}
+			r.DropResident(e.imagesPath(ck.Images))
+			e.count(func(st *Stats) { st.ResidentsEvicted++ })
+		}
+	})
+}
+
+// rollbackResident rolls sb back to ck through ck's zygotes, if it has some for sb as
+// it runs. It returns false, with nothing done, when it has not; on any other failure
+// sb has lost its processes (and possibly part of its root's revert), and the caller
+// restores ck's images instead (after its durable copy).
+//
+// Preconditions: the caller holds sb's lock.
+func (e *Engine) rollbackResident(ctx context.Context, r isolation.Resident, sb *model.Sandbox, ck *model.Checkpoint) (bool, error) {
+	if ck.Method != methodZygote && ck.Method != methodZygoteImages {
+		return false, nil
+	}
+	rv, ok := e.pool.(storage.Reverter)
+	if !ok {
+		return false, nil
+	}
+	isb := e.isb(sb)
+	dir := e.imagesPath(ck.Images)
+	if !r.IsResident(isb, dir) {
+		return false, nil
+	}
+	if err := markRollback(e.cfg.DataDir, sb.ID, ck.ID); err != nil {
+		return false, err
+	}
+	err := r.RollbackResident(ctx, isb, dir, func(ctx context.Context) error {
+		crashPoint("resident-rollback-killed")
+		_, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
+		return err
+	})
+	if errors.Is(err, isolation.ErrNotResident) {
+		clearRollback(e.cfg.DataDir, sb.ID)
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	crashPoint("resident-rollback-spawned")
+	sb.Head = ck.ID
+	if err := e.db.PutSandbox(ctx, sb); err != nil {
+		return false, err
+	}
+	clearRollback(e.cfg.DataDir, sb.ID)
+	e.count(func(st *Stats) { st.ResidentRollbacks++ })
+	return true, nil
+}
+
+// A rollback in place is not atomic: killing the processes, reverting the root and
+// forking from the zygotes. locks/<sandbox>.rollback names the checkpoint while one
+// runs; recovery finds a sandbox that died in the middle by it and rolls it back again
+// (by images: its processes are gone, its root half reverted).
+func rollbackMark(dataDir, id string) string {
+	return filepath.Join(dataDir, "locks", id+".rollback")
+}
+
+func markRollback(dataDir, id, ck string) error {
+	return os.WriteFile(rollbackMark(dataDir, id), []byte(ck), 0o600)
+}
+
+func clearRollback(dataDir, id string) { os.Remove(rollbackMark(dataDir, id)) }
+
+// recoverResidents, at engine start: sandboxes whose rollback in place died halfway are
+// rolled back again (the mark names the checkpoint), roots left read-only by a revert
+// that died are made writable, resident checkpoints still waiting for their durable
+// copy are queued again (their zygotes survive a crash of cairn, frozen), and those
+// whose zygotes are gone without a copy (a machine crash) are deleted.
+func (e *Engine) recoverResidents(ctx context.Context) {
+	sbs, err := e.db.Sandboxes(ctx)
+	if err != nil {
+		return
+	}
+	for _, sb := range sbs {
+		if sb.State != model.StateRunning {
+			continue
+		}
+		// Only sandboxes nobody is working on: another engine may be mid-rollback.
+		unlock, ok := e.tryLock(sb.ID)
+		if !ok {
+			continue
+		}
+		e.pool.SetReadOnly(ctx, sb.Root, false)
+		ck, err := os.ReadFile(rollbackMark(e.cfg.DataDir, sb.ID))
+		unlock()
+		if err == nil {
+			e.cfg.Logf("sandbox %s: a rollback to %s died halfway; rolling back again", sb.ID, ck)
+			if err := e.Rollback(ctx, sb.ID, strings.TrimSpace(string(ck))); err != nil {
+				e.cfg.Logf("sandbox %s: rollback again: %v", sb.ID, err)
+			}
+		}
+	}
+	cks, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return
+	}
+	for _, ck := range cks {
+		if ck.Method != methodZygote {
+			continue
+		}
+		sb, err := e.db.Sandbox(ctx, ck.SandboxID)
+		b, berr := e.backend(ck.Isolation)
+		r, ok := b.(isolation.Resident)
+		if err == nil && berr == nil && ok && sb.State == model.StateRunning && r.IsResident(e.isb(sb), e.imagesPath(ck.Images)) {
+			e.durableLater(ck.ID)
+			continue
+		}
+		e.cfg.Logf("checkpoint %s was resident only and its zygotes are gone (the machine restarted?); deleting it", ck.ID)
+		e.deleteLost(ctx, ck.ID)
+	}
+}
+
+// isResident reports whether ck's zygotes are alive and belong to its sandbox as it runs.
+func (e *Engine) isResident(ck *model.Checkpoint) bool {
+	sb, err := e.db.Sandbox(context.Background(), ck.SandboxID)
+	if err != nil || sb.State != model.StateRunning {
+		return false
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return false
+	}
+	r, ok := e.residentOf(b)
+	return ok && r.IsResident(e.isb(sb), e.imagesPath(ck.Images))
+}
+
+// residentReason is MethodReason for a checkpoint taken with zygotes.
+func residentReason(ck *model.Checkpoint) string {
+	s := "taken with zygotes: each process of the sandbox forked a frozen copy-on-write copy of itself (no memory copied)"
+	if ck.Method == methodZygote {
+		s += "; its durable copy (CRIU images written from the zygotes in the background) is not written yet"
+	} else {
+		s += "; durable: CRIU images of each process were written from the zygotes in the background"
+	}
+	if ck.Resident {
+		return s + "; resident: a rollback of its sandbox forks the processes again from the zygotes"
+	}
+	return s + "; not resident any more (evicted, or its sandbox runs another generation): rollbacks and forks restore its images"
+}

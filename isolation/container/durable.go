@@ -1,0 +1,215 @@
+package container
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+
+	"github.com/cairn-sandbox/cairn/criu"
+	"github.com/cairn-sandbox/cairn/criu/fixup"
+	"github.com/cairn-sandbox/cairn/internal/initctl"
+	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
+	"golang.org/x/sys/unix"
+)
+
+// Durable copies of resident checkpoints, and their restore.
+//
+// A resident checkpoint's directory gets, next to its zygote record, procs/<pid>/: the
+// CRIU images of each process, dumped alone from its zygote by CRIU running inside the
+// sandbox (criu.DumpInside), then rewritten (criu/fixup) into the images of the process
+// the zygote copies, at the checkpoint. procs/ is built as procs.tmp/ and renamed: it is
+// there whole or not at all. Init is in none of them: it keeps no state but what it
+// writes under /.cairn, which the checkpoint's filesystem holds. A restore boots a fresh
+// init on the checkpoint's root, restores each process into the sandbox as init's child
+// with its PID (criu.RestoreInside), and has init learn them (reload).
+
+// procsDir is the subdirectory of per-process images.
+const procsDir = "procs"
+
+// MakeDurable implements isolation.Resident.
+func (b *Backend) MakeDurable(ctx context.Context, sb *isolation.Sandbox, dir string) error {
+	defer b.res.dirLock(dir)()
+	if _, err := os.Stat(filepath.Join(dir, procsDir)); err == nil {
+		return nil // done already
+	}
+	rec, ok, err := zygote.Read(dir)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return fmt.Errorf("%s has no zygote record", dir)
+	}
+	if rec.Init != sb.Init || !rec.Alive() {
+		return fmt.Errorf("%w: the zygotes of %s are gone", isolation.ErrNotResident, dir)
+	}
+	tmp := filepath.Join(dir, procsDir+".tmp")
+	os.RemoveAll(tmp)
+	if err := os.Mkdir(tmp, 0o700); err != nil {
+		return err
+	}
+	for _, p := range rec.Procs {
+		out := filepath.Join(tmp, strconv.Itoa(p.NSPid))
+		if err := os.Mkdir(out, 0o700); err != nil {
+			return err
+		}
+		if err := criu.DumpInside(ctx, criu.InsideDumpOptions{InitPid: sb.Init.Pid, Pid: p.ZygoteNSPid,
+			ImagesDir: out, FreezeCgroup: p.Cgroup, Background: true}); err != nil {
+			return fmt.Errorf("dump the zygote of process %d: %w", p.NSPid, err)
+		}
+		if err := fixup.Apply(out, specOf(p)); err != nil {
+			return fmt.Errorf("images of process %d: %w", p.NSPid, err)
+		}
+		// Restored alone into a running sandbox, the process must stay in its time
+		// namespace: CRIU puts a restored tree into a new one, its clocks offset to
+		// continue from the dump's, unless the clock values were not dumped (no image;
+		// criu/timens.c). A time namespace of its own would also make the sandbox's tree
+		// undumpable ("nested time namespace").
+		if err := os.Remove(filepath.Join(out, "timens-0.img")); err != nil && !os.IsNotExist(err) {
+			return err
+		}
+	}
+	if err := syncDir(tmp); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, procsDir)); err != nil {
+		return err
+	}
+	return syncDir(dir)
+}
+
+// specOf is what the images of p's zygote must become.
+func specOf(p zygote.Proc) fixup.Spec {
+	s := fixup.Spec{Pid: p.NSPid, Cwd: p.Cwd.Path, Exe: p.Exe, PdeathSig: p.PdeathSig, ChildSubreaper: p.ChildSubreaper}
+	for _, f := range p.Fds {
+		switch f.Kind {
+		case zygote.KindPipe:
+			s.Files = append(s.Files, fixup.File{Fd: f.Fd, Path: fmt.Sprintf("pipe:[%d]", f.Ino), Flags: f.Flags})
+		default:
+			s.Files = append(s.Files, fixup.File{Fd: f.Fd, Path: f.Path, Flags: f.Flags, Pos: f.Pos})
+		}
+		if f.Kind == zygote.KindPipe || f.Kind == zygote.KindFIFO {
+			s.Pipes = append(s.Pipes, fixup.Pipe{Ino: f.Ino, Data: f.Data})
+		}
+	}
+	for _, l := range p.Locks {
+		s.Locks = append(s.Locks, fixup.Lock{Fd: l.Fd, Write: l.Write, Start: l.Start, Len: l.Len})
+	}
+	for _, m := range p.Maps {
+		s.Maps = append(s.Maps, fixup.Map{Start: m.Start, Path: m.Path})
+	}
+	return s
+}
+
+func syncDir(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return f.Sync()
+}
+
+// perProcess reports whether dir holds per-process images (a resident checkpoint made
+// durable) rather than the images of the whole tree.
+func perProcess(dir string) bool {
+	_, err := os.Stat(filepath.Join(dir, procsDir))
+	return err == nil
+}
+
+// restoreProcs restores per-process images: a fresh init on sb.Root, each process
+// restored into the sandbox as its child, then init reloads. frozen: every task, init
+// included, is left frozen (a standby), none having run an instruction of its own.
+func (b *Backend) restoreProcs(ctx context.Context, sb *isolation.Sandbox, dir string, frozen bool) error {
+	if _, err := os.Stat(filepath.Join(dir, procsDir)); err != nil {
+		if _, ok, _ := zygote.Read(dir); ok {
+			return errors.New("the checkpoint is held in memory only: its durable copy is not written (yet)")
+		}
+		return err
+	}
+	ents, err := os.ReadDir(filepath.Join(dir, procsDir))
+	if err != nil {
+		return err
+	}
+	var pids []int
+	for _, e := range ents {
+		if n, err := strconv.Atoi(e.Name()); err == nil {
+			pids = append(pids, n)
+		}
+	}
+	sort.Ints(pids) // CRIU restores with set PIDs; order only matters for the log
+	// The PID base is set after the processes are back: until then init's threads take
+	// low PIDs, below those of the processes (UserPidBase and up).
+	if err := b.start(ctx, sb, false); err != nil {
+		return err
+	}
+	// Init is frozen while the processes come back: each new thread of its runtime takes
+	// the next PID of the namespace, which could be one still to restore. CRIU joins the
+	// sandbox's cgroups but for the freezer's (it would freeze there); each process,
+	// restored stopped, goes into the sandbox's freezer cgroup, and runs once init knows
+	// it.
+	if err := freeze(sb.CgroupName()); err != nil {
+		b.Stop(ctx, sb)
+		return err
+	}
+	var cgroups []string
+	for _, h := range present() {
+		if h.dir != "freezer" {
+			cgroups = append(cgroups, filepath.Join(ctrlDir(h.dir, sb.CgroupName()), "cgroup.procs"))
+		}
+	}
+	var restored []int
+	work, err := os.MkdirTemp("", "cairn-restore-")
+	if err != nil {
+		b.Stop(ctx, sb)
+		return err
+	}
+	defer os.RemoveAll(work)
+	for _, pid := range pids {
+		w := filepath.Join(work, strconv.Itoa(pid))
+		if err := os.Mkdir(w, 0o700); err != nil {
+			b.Stop(ctx, sb)
+			return err
+		}
+		host, err := criu.RestoreInside(ctx, criu.InsideRestoreOptions{InitPid: sb.Init.Pid,
+			ImagesDir: filepath.Join(dir, procsDir, strconv.Itoa(pid)), WorkDir: w,
+			KeepLog: filepath.Join(os.TempDir(), "cairn-restore-"+sb.ID+".log"),
+			Cgroups: cgroups, LeaveStopped: true, Background: frozen})
+		if err == nil {
+			restored = append(restored, host)
+			err = os.WriteFile(filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"), []byte(strconv.Itoa(host)), 0)
+		}
+		if err != nil {
+			b.Stop(ctx, sb)
+			return fmt.Errorf("restore process %d: %w", pid, err)
+		}
+	}
+	err = thaw(sb.CgroupName())
+	if err == nil {
+		err = b.res.setPidBase(sb.Init)
+	}
+	if err == nil {
+		var resp initctl.Response
+		if resp, err = b.call(ctx, sb, initctl.Request{Op: initctl.OpReload}); err == nil {
+			err = resp.Err(sb.ID, "reload processes")
+		}
+	}
+	if err == nil {
+		if frozen {
+			err = freezeStopped(sb.CgroupName()) // a standby: held by the freezer
+		} else {
+			for _, p := range restored {
+				unix.Kill(p, unix.SIGCONT)
+			}
+		}
+	}
+	if err != nil {
+		b.Stop(ctx, sb)
+		return err
+	}
+	return nil
+}

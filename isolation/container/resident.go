@@ -1,0 +1,349 @@
+package container
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/criu"
+	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/initctl"
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
+	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
+)
+
+// Resident checkpoints (package zygote): the backend's side. Each zygote sits alone in
+// a freezer cgroup under freezer/cairn-zygotes/<sandbox cgroup>/<checkpoint dir>/<pid>;
+// the sandbox's own freezer cgroup never holds one, so killing "every process of the
+// sandbox" for a rollback spares them, and they stay frozen whatever is signalled
+// inside. A rollback's new processes are held in the frozen cgroup ".../spawn" until
+// init has learnt them again, then moved into the sandbox's.
+
+// residents is the backend's state for zygotes.
+type residents struct {
+	tracer *ptrace.Tracer
+	mu     sync.Mutex
+	// busy holds a lock per checkpoint directory: a rollback and a durable dump of the
+	// same zygotes take turns; protected by mu.
+	busy map[string]*sync.Mutex
+	// lastPid holds the ns_last_pid helper of each sandbox, by init; protected by mu.
+	lastPid map[isolation.Proc]*lastPidHelper
+	// watched are the sandboxes with zygotes, by cgroup name, and their inits; watching
+	// says whether the watchdog runs. Both protected by mu.
+	watched  map[string]isolation.Proc
+	watching bool
+}
+
+// A dying init waits for every process of its pid namespace to die, frozen zygotes
+// too, which cannot die while frozen: a sandbox whose init was killed behind cairn's
+// back would hang there. The watchdog ends the zygotes of such a sandbox.
+const watchEvery = 250 * time.Millisecond
+
+// watch makes the watchdog look after the zygotes of sb.
+func (r *residents) watch(sb *isolation.Sandbox) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.watched == nil {
+		r.watched = map[string]isolation.Proc{}
+	}
+	r.watched[sb.CgroupName()] = sb.Init
+	if !r.watching {
+		r.watching = true
+		go r.watchdog()
+	}
+}
+
+func (r *residents) watchdog() {
+	for {
+		time.Sleep(watchEvery)
+		r.mu.Lock()
+		if len(r.watched) == 0 {
+			r.watching = false
+			r.mu.Unlock()
+			return
+		}
+		var dead []string
+		for cg, init := range r.watched {
+			if initDying(init) {
+				dead = append(dead, cg)
+				delete(r.watched, cg)
+			}
+		}
+		r.mu.Unlock()
+		for _, cg := range dead {
+			dropAllZygotes(cg)
+		}
+	}
+}
+
+// initDying reports whether init has exited or is exiting (PF_EXITING).
+func initDying(init isolation.Proc) bool {
+	if !init.Alive() {
+		return true
+	}
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(init.Pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	st := string(b)
+	f := strings.Fields(st[strings.LastIndexByte(st, ')')+1:]) // state ppid pgrp session tty tpgid flags
+	if len(f) < 7 {
+		return false
+	}
+	flags, _ := strconv.ParseUint(f[6], 10, 64)
+	const pfExiting = 0x4
+	return flags&pfExiting != 0
+}
+
+// dirLock takes a checkpoint directory's lock: in this process, and across processes
+// sharing the data directory (an flock on the directory: a second engine's recovery
+// must not dump zygotes this one is dumping).
+func (r *residents) dirLock(dir string) func() {
+	r.mu.Lock()
+	if r.busy == nil {
+		r.busy = map[string]*sync.Mutex{}
+	}
+	m := r.busy[dir]
+	if m == nil {
+		m = &sync.Mutex{}
+		r.busy[dir] = m
+	}
+	r.mu.Unlock()
+	m.Lock()
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err == nil {
+		for unix.Flock(fd, unix.LOCK_EX) == unix.EINTR {
+		}
+	}
+	return func() {
+		if err == nil {
+			unix.Close(fd)
+		}
+		m.Unlock()
+	}
+}
+
+func (r *residents) tr() *ptrace.Tracer {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.tracer == nil {
+		r.tracer = ptrace.NewTracer()
+	}
+	return r.tracer
+}
+
+// zygoteRoot is the freezer cgroup directory of a sandbox's zygotes.
+func zygoteRoot(cgroup string) string {
+	return filepath.Join(cgroupRoot, "freezer", "cairn-zygotes", cgroup)
+}
+
+// CheckpointResident implements isolation.Resident.
+func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox, dir string, hooks isolation.Hooks) error {
+	if !b.Running(sb) {
+		return errdefs.FailedPrecondition("sandbox %s is not running", sb.ID)
+	}
+	if err := criu.InsideAvailable(); err != nil {
+		// Without CRIU inside the sandbox, the zygotes could never be made durable.
+		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
+	}
+	_, err := zygote.Capture(ctx, b.res.tr(), zygote.CaptureOptions{
+		Init: sb.Init,
+		Procs: func() ([]int, error) {
+			return slices.DeleteFunc(cgroupPids(sb.CgroupName()), func(p int) bool { return p == sb.Init.Pid }), nil
+		},
+		CgroupDir: filepath.Join(zygoteRoot(sb.CgroupName()), filepath.Base(dir)),
+		RecordDir: dir,
+		Frozen: func() error {
+			if hooks.Frozen == nil {
+				return nil
+			}
+			return hooks.Frozen(ctx)
+		},
+		Phase: hooks.Phase,
+	})
+	var in *zygote.Ineligible
+	if errors.As(err, &in) {
+		return fmt.Errorf("%w: %s", isolation.ErrNotResident, in.Reason)
+	}
+	if err != nil {
+		os.Remove(filepath.Join(dir, zygote.RecordFile))
+		return err
+	}
+	b.res.watch(sb)
+	return nil
+}
+
+var _ isolation.Resident = (*Backend)(nil)
+
+// IsResident implements isolation.Resident.
+func (b *Backend) IsResident(sb *isolation.Sandbox, dir string) bool {
+	rec, ok, err := zygote.Read(dir)
+	return err == nil && ok && rec.Init == sb.Init && rec.Alive()
+}
+
+// DropResident implements isolation.Resident.
+func (b *Backend) DropResident(dir string) error {
+	defer b.res.dirLock(dir)()
+	rec, ok, err := zygote.Read(dir)
+	if err != nil || !ok {
+		return err
+	}
+	return zygote.Kill(rec)
+}
+
+// RollbackResident implements isolation.Resident.
+func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, dir string, revert func(context.Context) error) error {
+	defer b.res.dirLock(dir)()
+	rec, ok, err := zygote.Read(dir)
+	if err != nil {
+		return err
+	}
+	if !ok || rec.Init != sb.Init || !rec.Alive() {
+		return fmt.Errorf("%w: the checkpoint's zygotes are gone or belong to another generation of %s", isolation.ErrNotResident, sb.ID)
+	}
+	helper, err := b.res.helper(sb.Init)
+	if err != nil {
+		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
+	}
+	if resp, err := b.call(ctx, sb, initctl.Request{Op: initctl.OpForget}); err != nil {
+		return err
+	} else if err := resp.Err(sb.ID, "forget processes"); err != nil {
+		return err
+	}
+	if err := killAllButInit(sb); err != nil {
+		return err
+	}
+	if err := revert(ctx); err != nil {
+		return fmt.Errorf("revert the root of %s: %w", sb.ID, err)
+	}
+	// Init is frozen while the processes are forked: its Go runtime starts threads
+	// whenever it likes, and each takes the next PID of the namespace.
+	if err := freeze(sb.CgroupName()); err != nil {
+		return err
+	}
+	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set})
+	if terr := thaw(sb.CgroupName()); err == nil {
+		err = terr
+	}
+	if err != nil {
+		zygote.Discard(pids)
+		return err
+	}
+	// Init learns them while they are still frozen (one that exited at once would
+	// otherwise be reaped unknown, its exit unrecorded), then they run.
+	if resp, err := b.call(ctx, sb, initctl.Request{Op: initctl.OpReload}); err != nil {
+		zygote.Discard(pids)
+		return err
+	} else if err := resp.Err(sb.ID, "reload processes"); err != nil {
+		zygote.Discard(pids)
+		return err
+	}
+	return zygote.Release(pids, filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"))
+}
+
+// killAllButInit kills every process of the sandbox but init (its zygotes are not in its
+// freezer cgroup) and waits until init has reaped them, so that their PIDs are free.
+func killAllButInit(sb *isolation.Sandbox) error {
+	deadline := time.Now().Add(10 * time.Second)
+	killed := map[int]bool{}
+	for {
+		n := 0
+		for _, p := range cgroupPids(sb.CgroupName()) {
+			if p != sb.Init.Pid {
+				unix.Kill(p, unix.SIGKILL)
+				killed[p] = true
+				n++
+			}
+		}
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("sandbox %s: processes did not exit after SIGKILL", sb.ID)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	// A process leaves its cgroup when it exits, its PID when its parent reaps it.
+	for p := range killed {
+		for {
+			if _, err := os.Stat("/proc/" + strconv.Itoa(p)); err != nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("sandbox %s: init did not reap process %d", sb.ID, p)
+			}
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+	return nil
+}
+
+// setFreezerDir sets the state of a freezer cgroup given by its directory.
+func setFreezerDir(dir, state string) error {
+	if err := os.WriteFile(filepath.Join(dir, "freezer.state"), []byte(state), 0); err != nil {
+		return fmt.Errorf("freezer %s: %w", dir, err)
+	}
+	return nil
+}
+
+// dropAllZygotes kills every zygote of a sandbox and removes their cgroups (Stop): a
+// frozen zygote would otherwise keep the dying pid namespace's init from exiting.
+func dropAllZygotes(cgroup string) {
+	root := zygoteRoot(cgroup)
+	var dirs []string
+	filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() {
+			dirs = append(dirs, path)
+		}
+		return nil
+	})
+	for i := len(dirs) - 1; i >= 0; i-- {
+		d := dirs[i]
+		for _, p := range readPids(filepath.Join(d, "cgroup.procs")) {
+			unix.Kill(p, unix.SIGKILL)
+		}
+		os.WriteFile(filepath.Join(d, "freezer.state"), []byte("THAWED"), 0)
+	}
+	for i := len(dirs) - 1; i >= 0; i-- {
+		for j := 0; j < 400; j++ {
+			if err := os.Remove(dirs[i]); err == nil || os.IsNotExist(err) {
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+}
+
+func readPids(procs string) []int {
+	b, _ := os.ReadFile(procs)
+	var out []int
+	for _, f := range strings.Fields(string(b)) {
+		if p, err := strconv.Atoi(f); err == nil {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// hasZygotes reports whether the sandbox has any zygote (a tree dump would take them in).
+func hasZygotes(cgroup string) bool {
+	found := false
+	filepath.WalkDir(zygoteRoot(cgroup), func(path string, d os.DirEntry, err error) error {
+		if err == nil && d.IsDir() && len(readPids(filepath.Join(path, "cgroup.procs"))) > 0 {
+			found = true
+			return filepath.SkipAll
+		}
+		return nil
+	})
+	return found
+}

@@ -1,0 +1,328 @@
+package zygote
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
+	"github.com/cairn-sandbox/cairn/isolation"
+)
+
+// stopTimeout bounds how long a process may take to stop for us.
+const stopTimeout = 10 * time.Second
+
+// CaptureOptions are the options of Capture.
+type CaptureOptions struct {
+	// Init is the sandbox's init.
+	Init isolation.Proc
+	// Procs lists the sandbox's processes but init (its zygotes, also children of init,
+	// are not the sandbox's processes): all are captured, and each must be a child of
+	// init.
+	Procs func() ([]int, error)
+	// CgroupDir is a freezer cgroup directory (host path, created if missing) under
+	// which each zygote gets a cgroup of its own, named after its process's PID.
+	CgroupDir string
+	// RecordDir receives the record (RecordFile): first a provisional one, written
+	// before the first zygote exists and naming the cgroups they go to, so that Kill
+	// can always end what a crash left; the complete one at the end.
+	RecordDir string
+	// Frozen, if set, is called while every process is stopped and its zygote exists:
+	// the caller snapshots the filesystem there. Its error aborts the capture.
+	Frozen func() error
+	// Phase, if set, is told how long each phase took ("stop", "zygotes", "fs", "resume").
+	Phase func(name string, d time.Duration)
+}
+
+func (o *CaptureOptions) report(name string, start time.Time) {
+	if o.Phase != nil {
+		o.Phase(name, time.Since(start))
+	}
+}
+
+// Capture makes a zygote of every child of the sandbox's init and records what fork
+// does not copy. The processes are stopped (ptrace) for the duration, and run on
+// unchanged afterwards whatever happens. On any failure nothing is left behind: the
+// zygotes made so far are killed. An *Ineligible error says why the sandbox cannot be
+// captured this way (the caller falls back to CRIU).
+func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record, error) {
+	kids, err := o.list()
+	if err != nil {
+		return nil, err
+	}
+	for _, k := range kids {
+		if err := checkBefore(k, o.Init.Pid); err != nil {
+			return nil, err
+		}
+	}
+	rec := &Record{Version: Version, Init: o.Init}
+	err = tr.Do(func() error {
+		t := time.Now()
+		procs, stopped, err := stopAll(kids)
+		defer func() {
+			t := time.Now()
+			for i, p := range procs {
+				if i >= stopped {
+					tr.Forget(p) // never stopped: detached once it does
+				} else if err := p.Detach(); err != nil {
+					tr.Forget(p)
+				}
+			}
+			o.report("resume", t)
+		}()
+		if err != nil {
+			return err
+		}
+		if now, err := o.list(); err != nil || !slices.Equal(now, kids) {
+			return ineligible("processes started or ended during the checkpoint")
+		}
+		o.report("stop", t)
+		t = time.Now()
+		var zps []*Proc
+		for _, p := range procs {
+			zp, err := o.scan(p)
+			if err != nil {
+				return err
+			}
+			zps = append(zps, zp)
+			rec.Procs = append(rec.Procs, Proc{Cgroup: zp.Cgroup})
+		}
+		if err := rec.Write(o.RecordDir); err != nil {
+			return err
+		}
+		for i, p := range procs {
+			if err := capture(p, zps[i]); err != nil {
+				return err
+			}
+			rec.Procs[i] = *zps[i]
+		}
+		if err := rec.Write(o.RecordDir); err != nil {
+			return err
+		}
+		// Each process gets its own registers back now, not at the detach: if cairn died
+		// during the snapshot, the kernel would let it run on from them.
+		for _, p := range procs {
+			if err := p.Restore(); err != nil {
+				return err
+			}
+		}
+		o.report("zygotes", t)
+		if o.Frozen != nil {
+			t = time.Now()
+			if err := o.Frozen(); err != nil {
+				return err
+			}
+			o.report("fs", t)
+		}
+		return nil
+	})
+	if err != nil {
+		Kill(rec)
+		return nil, err
+	}
+	return rec, nil
+}
+
+// list returns the sandbox's processes, sorted.
+func (o *CaptureOptions) list() ([]int, error) {
+	pids, err := o.Procs()
+	if err != nil {
+		return nil, fmt.Errorf("processes of the sandbox: %w", err)
+	}
+	pids = slices.Clone(pids)
+	slices.Sort(pids)
+	return pids, nil
+}
+
+// stopAll seizes and stops every process. It returns those it holds (the caller
+// detaches them, whatever happened) and how many of them, first, are stopped.
+func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
+	var procs []*ptrace.Tracee
+	for _, pid := range pids {
+		p, err := ptrace.Seize(pid)
+		if err != nil {
+			return procs, 0, ineligible("process %d: %v", pid, err)
+		}
+		procs = append(procs, p)
+		if err := p.Interrupt(); err != nil {
+			return procs, 0, err
+		}
+	}
+	for i, p := range procs {
+		if err := p.Wait(stopTimeout); err != nil {
+			if errors.Is(err, ptrace.ErrExited) {
+				err = ineligible("process %d exited during the checkpoint", p.Pid)
+			}
+			return procs, i, err
+		}
+	}
+	return procs, len(procs), nil
+}
+
+// scan records a stopped process (what /proc shows, and what only the process can tell
+// about itself) and names its zygote's cgroup.
+func (o *CaptureOptions) scan(p *ptrace.Tracee) (*Proc, error) {
+	zp, err := scan(p.Pid)
+	if err != nil {
+		return nil, err
+	}
+	if err := inherited(p, zp); err != nil {
+		return nil, err
+	}
+	zp.Cgroup = filepath.Join(o.CgroupDir, strconv.Itoa(zp.NSPid))
+	return zp, nil
+}
+
+// capture forks the zygote of a stopped process into a frozen cgroup of its own.
+func capture(p *ptrace.Tracee, zp *Proc) error {
+	if err := os.MkdirAll(zp.Cgroup, 0o755); err != nil {
+		return fmt.Errorf("zygote cgroup: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(zp.Cgroup, "freezer.state"), []byte("FROZEN"), 0); err != nil {
+		return fmt.Errorf("zygote cgroup: %w", err)
+	}
+	z, err := p.Fork(unix.CLONE_PARENT)
+	if err != nil {
+		return err
+	}
+	// Out of the process's session and group: as their member the zygote would keep
+	// the process's PID allocated (a session ID), and a rollback could not give it back.
+	// Until Detach the zygote's registers are those of the injected clone's return: if
+	// cairn died now the zygote would crash in the vDSO, not run as a copy.
+	if _, err := z.Syscall(unix.SYS_SETSID); err != nil {
+		unix.Kill(z.Pid, unix.SIGKILL)
+		z.Detach()
+		return fmt.Errorf("setsid in the zygote of %d: %w", p.Pid, err)
+	}
+	// Into the frozen cgroup before it gets the process's registers: from Detach on, it
+	// freezes before it runs an instruction (and if cairn dies, the kernel detaches it
+	// into the freezer too).
+	if err := os.WriteFile(filepath.Join(zp.Cgroup, "cgroup.procs"), []byte(strconv.Itoa(z.Pid)), 0); err != nil {
+		unix.Kill(z.Pid, unix.SIGKILL)
+		z.Detach()
+		return fmt.Errorf("freeze zygote: %w", err)
+	}
+	if zp.Zygote, err = isolation.ProcOf(z.Pid); err == nil {
+		zp.ZygoteNSPid, err = NSPid(z.Pid)
+	}
+	if err == nil {
+		err = sameMappings(p.Pid, z.Pid)
+	}
+	z.SetRegs(p.Regs())
+	if derr := z.Detach(); err == nil {
+		err = derr
+	}
+	if err != nil {
+		unix.Kill(z.Pid, unix.SIGKILL)
+		return err
+	}
+	return nil
+}
+
+// sameMappings rejects a process with mappings that fork left out of its copy
+// (MADV_DONTFORK).
+func sameMappings(pid, zygote int) error {
+	a, err := mapRanges(pid)
+	if err != nil {
+		return err
+	}
+	b, err := mapRanges(zygote)
+	if err != nil {
+		return err
+	}
+	if !slices.Equal(a, b) {
+		return ineligible("process %d has memory that is not inherited by fork (MADV_DONTFORK)", pid)
+	}
+	return nil
+}
+
+// inherited reads, from inside the process, the state that fork resets and /proc does
+// not show: interval timers (a zygote would lose them: not eligible), the parent-death
+// signal and the child-subreaper flag (recorded, set again by Spawn).
+func inherited(p *ptrace.Tracee, zp *Proc) error {
+	s, err := p.MapScratch(4096)
+	if err != nil {
+		return err
+	}
+	defer s.Free()
+	for _, which := range []int{unix.ITIMER_REAL, unix.ITIMER_VIRTUAL, unix.ITIMER_PROF} {
+		if _, err := p.Syscall(unix.SYS_GETITIMER, uintptr(which), uintptr(s.Addr)); err != nil {
+			return fmt.Errorf("getitimer in %d: %w", p.Pid, err)
+		}
+		var it [4]int64
+		if err := s.Get(0, ptrace.Bytes(&it)); err != nil {
+			return err
+		}
+		if it != [4]int64{} {
+			return ineligible("process %d has an interval timer set (setitimer/alarm)", p.Pid)
+		}
+	}
+	var v [2]int32
+	if _, err := p.Syscall(unix.SYS_PRCTL, unix.PR_GET_PDEATHSIG, uintptr(s.Addr)); err != nil {
+		return fmt.Errorf("prctl in %d: %w", p.Pid, err)
+	}
+	if _, err := p.Syscall(unix.SYS_PRCTL, unix.PR_GET_CHILD_SUBREAPER, uintptr(s.Addr)+4); err != nil {
+		return fmt.Errorf("prctl in %d: %w", p.Pid, err)
+	}
+	if err := s.Get(0, ptrace.Bytes(&v)); err != nil {
+		return err
+	}
+	zp.PdeathSig, zp.ChildSubreaper = int(v[0]), v[1] != 0
+	if zp.PdeathSig != 0 {
+		// CRIU restores it while CRIU is the parent, which then exits: the signal would
+		// be delivered at once to the process restored from the durable copy.
+		return ineligible("process %d has a parent-death signal set (prctl PR_SET_PDEATHSIG)", p.Pid)
+	}
+	return nil
+}
+
+// Kill ends the zygotes of r and removes their cgroups: every task in them dies (a
+// provisional record names the cgroups only). Zygotes already gone are fine.
+func Kill(r *Record) error {
+	var errs []error
+	for _, p := range r.Procs {
+		if p.Cgroup == "" {
+			continue
+		}
+		if err := KillCgroup(p.Cgroup); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// KillCgroup kills every task of a zygote's freezer cgroup and removes it.
+func KillCgroup(dir string) error {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	if os.IsNotExist(err) {
+		return nil
+	}
+	for _, f := range strings.Fields(string(b)) {
+		if pid, err := strconv.Atoi(f); err == nil {
+			unix.Kill(pid, unix.SIGKILL)
+		}
+	}
+	// A frozen task dies only once thawed.
+	os.WriteFile(filepath.Join(dir, "freezer.state"), []byte("THAWED"), 0)
+	return removeCgroup(dir)
+}
+
+// removeCgroup removes an empty cgroup, waiting for a killed task to leave it.
+func removeCgroup(dir string) error {
+	var err error
+	for i := 0; i < 400; i++ {
+		if err = os.Remove(dir); err == nil || os.IsNotExist(err) {
+			return nil
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return fmt.Errorf("remove zygote cgroup %s: %w", dir, err)
+}

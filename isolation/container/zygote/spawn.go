@@ -1,0 +1,390 @@
+package zygote
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
+	"github.com/cairn-sandbox/cairn/isolation"
+)
+
+// SpawnOptions are the options of Spawn.
+type SpawnOptions struct {
+	// SetLastPid makes nsPid the next PID of the sandbox's pid namespace (it writes
+	// nsPid-1 to that namespace's ns_last_pid).
+	SetLastPid func(nsPid int) error
+	// Phase, if set, is told how long each phase took ("stop", "fork", "fixups", "park").
+	Phase func(name string, d time.Duration)
+}
+
+// Spawn makes every zygote of r fork the process it copies, with that process's PID,
+// registers, memory, descriptors (offsets, flags, pipe contents as at the checkpoint),
+// locks and inherited settings. A new process is born in its zygote's cgroups: the
+// sandbox's, but for the freezer, where it is held, frozen, until the caller moves it
+// into the sandbox's freezer cgroup (Release). Moving a task between cgroups is the
+// costly part (~0.1 ms each here, and an RCU grace period without favordynmods):
+// this way there is one move per process. The zygotes are frozen again afterwards,
+// ready for the next rollback.
+//
+// Preconditions: the sandbox's other processes are gone (their PIDs are free), its root
+// holds the checkpoint's files again (reverted in place: the zygotes' descriptors and
+// mappings point at its inodes), and nothing else forks in the sandbox meanwhile.
+func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([]int, error) {
+	var pids []int
+	err := tr.Do(func() error {
+		t := time.Now()
+		zs, err := wake(r)
+		defer park(r, zs, o)
+		if err != nil {
+			return err
+		}
+		report(o.Phase, "stop", t)
+		for i := range r.Procs {
+			pid, err := spawnOne(zs[i], &r.Procs[i], o)
+			if pid > 0 {
+				pids = append(pids, pid)
+			}
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		Discard(pids)
+		return nil, err
+	}
+	return pids, nil
+}
+
+// Release lets the processes Spawn made run: they join the freezer cgroup whose
+// cgroup.procs file is given (a thawed one).
+func Release(pids []int, procs string) error {
+	for _, pid := range pids {
+		if err := os.WriteFile(procs, []byte(strconv.Itoa(pid)), 0); err != nil {
+			return fmt.Errorf("start process %d: %w", pid, err)
+		}
+	}
+	return nil
+}
+
+// Discard kills processes Spawn made; they die once out of their zygotes' frozen
+// cgroups, in the root freezer cgroup.
+func Discard(pids []int) {
+	for _, pid := range pids {
+		unix.Kill(pid, unix.SIGKILL)
+		os.WriteFile(filepath.Join(freezerRoot, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0)
+	}
+}
+
+// freezerRoot is the root of the freezer hierarchy.
+var freezerRoot = "/sys/fs/cgroup/freezer"
+
+func report(phase func(string, time.Duration), name string, start time.Time) {
+	if phase != nil {
+		phase(name, time.Since(start))
+	}
+}
+
+// wake seizes every zygote of r (frozen), thaws its cgroup so that it stops for us
+// instead, and waits for the stops. It returns the zygotes it holds.
+func wake(r *Record) ([]*ptrace.Tracee, error) {
+	zs := make([]*ptrace.Tracee, len(r.Procs))
+	for i, p := range r.Procs {
+		if !p.Zygote.Alive() {
+			return zs, fmt.Errorf("zygote of process %d is gone", p.NSPid)
+		}
+		z, err := ptrace.Seize(p.Zygote.Pid)
+		if err != nil {
+			return zs, err
+		}
+		zs[i] = z
+		if err := z.Interrupt(); err != nil {
+			return zs, err
+		}
+		if err := setFreezer(p.Cgroup, "THAWED"); err != nil {
+			return zs, err
+		}
+	}
+	for _, z := range zs {
+		if err := z.Wait(stopTimeout); err != nil {
+			return zs, err
+		}
+	}
+	return zs, nil
+}
+
+// park freezes the zygotes (and the processes just forked from them, in the same
+// cgroups) again and lets go of them: their registers are restored, and each freezes
+// before it runs an instruction.
+func park(r *Record, zs []*ptrace.Tracee, o SpawnOptions) {
+	t := time.Now()
+	for i, z := range zs {
+		if z == nil {
+			continue
+		}
+		f := filepath.Join(r.Procs[i].Cgroup, "freezer.state")
+		os.WriteFile(f, []byte("FROZEN"), 0)
+		z.Detach()
+		if c := r.Procs[i].spawned; c != nil {
+			c.Detach()
+		}
+	}
+	for _, p := range r.Procs {
+		setFreezer(p.Cgroup, "FROZEN")
+	}
+	report(o.Phase, "park", t)
+}
+
+// setFreezer writes a freezer cgroup's state and waits until it is reached.
+func setFreezer(dir, state string) error {
+	f := filepath.Join(dir, "freezer.state")
+	if err := os.WriteFile(f, []byte(state), 0); err != nil {
+		return fmt.Errorf("freezer %s: %w", dir, err)
+	}
+	deadline := time.Now().Add(stopTimeout)
+	for delay := 20 * time.Microsecond; ; delay = min(2*delay, time.Millisecond) {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return fmt.Errorf("freezer %s: %w", dir, err)
+		}
+		if strings.TrimSpace(string(b)) == state {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("freezer %s did not reach %s", dir, state)
+		}
+		time.Sleep(delay)
+	}
+}
+
+// spawnOne forks the process of p from its zygote and makes it right. It returns the new
+// process's host PID as soon as it exists.
+func spawnOne(z *ptrace.Tracee, p *Proc, o SpawnOptions) (int, error) {
+	t := time.Now()
+	if err := o.SetLastPid(p.NSPid); err != nil {
+		return 0, fmt.Errorf("next PID %d: %w", p.NSPid, err)
+	}
+	c, err := z.Fork(unix.CLONE_PARENT)
+	if err != nil {
+		return 0, err
+	}
+	// park detaches it, frozen in the zygote's cgroup.
+	p.spawned = c
+	fail := func(err error) (int, error) {
+		unix.Kill(c.Pid, unix.SIGKILL)
+		return c.Pid, err
+	}
+	if got, err := NSPid(c.Pid); err != nil {
+		return fail(err)
+	} else if got != p.NSPid {
+		return fail(fmt.Errorf("the new process got PID %d, not %d (PID taken?)", got, p.NSPid))
+	}
+	c.SetRegs(z.Regs())
+	// The zygote leads a session of its own; the process led its own (checked at the
+	// capture): setsid makes it so again, its PID being that of its session and group.
+	if _, err := c.Syscall(unix.SYS_SETSID); err != nil {
+		return fail(fmt.Errorf("setsid: %w", err))
+	}
+	report(o.Phase, "fork", t)
+	t = time.Now()
+	if err := fixup(c, z, p); err != nil {
+		return fail(fmt.Errorf("process %d: %w", p.NSPid, err))
+	}
+	report(o.Phase, "fixups", t)
+	return c.Pid, nil
+}
+
+// fixup puts back in the new process c what its zygote z shares with the processes
+// forked from it before (offsets, flags, pipe contents) or what fork does not inherit
+// (locks, parent-death signal, subreaper flag).
+func fixup(c, z *ptrace.Tracee, p *Proc) error {
+	var s *ptrace.Scratch
+	scratch := func() (*ptrace.Scratch, error) {
+		if s != nil {
+			return s, nil
+		}
+		var err error
+		s, err = c.MapScratch(8192)
+		return s, err
+	}
+	defer func() {
+		if s != nil {
+			s.Free()
+		}
+	}()
+	root := fmt.Sprintf("/proc/%d/root", c.Pid)
+	for _, fd := range p.Fds {
+		if err := fixFd(c, z, fd, root, scratch); err != nil {
+			return fmt.Errorf("descriptor %d (%s): %w", fd.Fd, fd.Path, err)
+		}
+	}
+	if !sameInode(filepath.Join(root, p.Cwd.Path), fmt.Sprintf("/proc/%d/cwd", c.Pid)) {
+		s, err := scratch()
+		if err != nil {
+			return err
+		}
+		addr, err := s.Put(0, ptrace.CString(p.Cwd.Path))
+		if err != nil {
+			return err
+		}
+		if _, err := c.Syscall(unix.SYS_CHDIR, addr); err != nil {
+			return fmt.Errorf("chdir %s: %w", p.Cwd.Path, err)
+		}
+	}
+	for _, l := range p.Locks {
+		if err := relock(c, l, scratch); err != nil {
+			return err
+		}
+	}
+	if p.PdeathSig != 0 {
+		if _, err := c.Syscall(unix.SYS_PRCTL, unix.PR_SET_PDEATHSIG, uintptr(p.PdeathSig)); err != nil {
+			return fmt.Errorf("parent-death signal: %w", err)
+		}
+	}
+	if p.ChildSubreaper {
+		if _, err := c.Syscall(unix.SYS_PRCTL, unix.PR_SET_CHILD_SUBREAPER, 1); err != nil {
+			return fmt.Errorf("child subreaper: %w", err)
+		}
+	}
+	return nil
+}
+
+// sameInode reports whether two paths name the same inode.
+func sameInode(a, b string) bool {
+	var sa, sb unix.Stat_t
+	return unix.Stat(a, &sa) == nil && unix.Stat(b, &sb) == nil && sa.Dev == sb.Dev && sa.Ino == sb.Ino
+}
+
+// settableFlags are the status flags fcntl(F_SETFL) changes (the access mode cannot).
+const settableFlags = unix.O_APPEND | unix.O_NONBLOCK | unix.O_ASYNC | unix.O_DIRECT | unix.O_NOATIME
+
+func fixFd(c, z *ptrace.Tracee, fd Fd, root string, scratch func() (*ptrace.Scratch, error)) error {
+	link := fmt.Sprintf("/proc/%d/fd/%d", c.Pid, fd.Fd)
+	if fd.Kind == KindFile || fd.Kind == KindDir || fd.Kind == KindFIFO {
+		if !sameInode(filepath.Join(root, fd.Path), link) {
+			// The revert recreated the file: the inherited descriptor names the old,
+			// deleted inode. Open the path again onto the same descriptor number.
+			if err := reopen(c, fd, scratch); err != nil {
+				return err
+			}
+		}
+	}
+	cur, err := readFdinfo(c.Pid, fd.Fd)
+	if err != nil {
+		return err
+	}
+	if cur.flags&settableFlags != fd.Flags&settableFlags {
+		if _, err := c.Syscall(unix.SYS_FCNTL, uintptr(fd.Fd), unix.F_SETFL, uintptr(fd.Flags&settableFlags)); err != nil {
+			return fmt.Errorf("fcntl F_SETFL: %w", err)
+		}
+	}
+	if (fd.Kind == KindFile || fd.Kind == KindDir) && cur.pos != fd.Pos {
+		if _, err := c.Syscall(unix.SYS_LSEEK, uintptr(fd.Fd), uintptr(fd.Pos), unix.SEEK_SET); err != nil {
+			return fmt.Errorf("lseek to %d: %w", fd.Pos, err)
+		}
+	}
+	if fd.Kind == KindPipe || fd.Kind == KindFIFO {
+		return refill(link, fd.Data)
+	}
+	return nil
+}
+
+// reopen opens fd.Path in c onto descriptor fd.Fd, with its flags and offset.
+func reopen(c *ptrace.Tracee, fd Fd, scratch func() (*ptrace.Scratch, error)) error {
+	s, err := scratch()
+	if err != nil {
+		return err
+	}
+	addr, err := s.Put(0, ptrace.CString(fd.Path))
+	if err != nil {
+		return err
+	}
+	flags := fd.Flags&^(unix.O_CREAT|unix.O_EXCL|unix.O_TRUNC|unix.O_CLOEXEC) | unix.O_NOCTTY
+	if fd.Kind == KindFIFO {
+		flags |= unix.O_NONBLOCK // a FIFO's open waits for the other end; F_SETFL puts it back
+	}
+	cwd := unix.AT_FDCWD
+	nfd, err := c.Syscall(unix.SYS_OPENAT, uintptr(cwd), addr, uintptr(flags), 0)
+	if err != nil {
+		return fmt.Errorf("open %s again: %w", fd.Path, err)
+	}
+	dflags := uintptr(0)
+	if fd.Flags&unix.O_CLOEXEC != 0 {
+		dflags = unix.O_CLOEXEC
+	}
+	if int(nfd) != fd.Fd {
+		if _, err := c.Syscall(unix.SYS_DUP3, nfd, uintptr(fd.Fd), dflags); err != nil {
+			return fmt.Errorf("dup3: %w", err)
+		}
+		if _, err := c.Syscall(unix.SYS_CLOSE, nfd); err != nil {
+			return fmt.Errorf("close: %w", err)
+		}
+	}
+	return nil
+}
+
+// refill makes a pipe or FIFO hold exactly data: what is in it is drained (it was
+// written after the checkpoint) and data written back.
+func refill(link string, data []byte) error {
+	f, err := unix.Open(link, unix.O_RDWR|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open pipe: %w", err)
+	}
+	defer unix.Close(f)
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := unix.Read(f, buf)
+		if errors.Is(err, unix.EAGAIN) || n == 0 {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("drain pipe: %w", err)
+		}
+	}
+	for len(data) > 0 {
+		n, err := unix.Write(f, data)
+		if err != nil {
+			return fmt.Errorf("refill pipe: %w", err)
+		}
+		data = data[n:]
+	}
+	return nil
+}
+
+// relock takes again a POSIX lock the process held.
+func relock(c *ptrace.Tracee, l Lock, scratch func() (*ptrace.Scratch, error)) error {
+	s, err := scratch()
+	if err != nil {
+		return err
+	}
+	fl := unix.Flock_t{Type: unix.F_RDLCK, Whence: 0, Start: l.Start, Len: l.Len}
+	if l.Write {
+		fl.Type = unix.F_WRLCK
+	}
+	addr, err := s.Put(4096, ptrace.Bytes(&fl))
+	if err != nil {
+		return err
+	}
+	if _, err := c.Syscall(unix.SYS_FCNTL, uintptr(l.Fd), unix.F_SETLK, addr); err != nil {
+		return fmt.Errorf("lock %d+%d on descriptor %d again: %w", l.Start, l.Len, l.Fd, err)
+	}
+	return nil
+}
+
+// Zygotes lists the zygotes of r as host processes.
+func (r *Record) Zygotes() []isolation.Proc {
+	var out []isolation.Proc
+	for _, p := range r.Procs {
+		out = append(out, p.Zygote)
+	}
+	return out
+}
