@@ -41,13 +41,7 @@ type W3Report struct {
 	Standby engine.Stats `json:"standby"`
 }
 
-func statsDelta(a, b engine.Stats) engine.Stats {
-	return engine.Stats{StandbysPrepared: b.StandbysPrepared - a.StandbysPrepared,
-		StandbysClaimed: b.StandbysClaimed - a.StandbysClaimed, StandbysEvicted: b.StandbysEvicted - a.StandbysEvicted,
-		StandbyMisses: b.StandbyMisses - a.StandbyMisses, BackgroundMS: b.BackgroundMS - a.BackgroundMS,
-		StandbyPrepareMS: b.StandbyPrepareMS - a.StandbyPrepareMS, Compactions: b.Compactions - a.Compactions,
-		CompactionMS: b.CompactionMS - a.CompactionMS, CompactionSavedBytes: b.CompactionSavedBytes - a.CompactionSavedBytes}
-}
+func statsDelta(a, b engine.Stats) engine.Stats { return b.Since(a) }
 
 // node is a search-tree node: a checkpoint with UCT statistics.
 type node struct {

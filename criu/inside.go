@@ -249,6 +249,10 @@ type InsideDumpOptions struct {
 	// (already frozen or not): CRIU freezes the tree through it and leaves it as it was.
 	// CRIU reaches it through a descriptor (the sandbox has no /sys/fs/cgroup).
 	FreezeCgroup string
+	// Cgroups are cgroup.procs files CRIU (and what it starts) joins first: the caller
+	// can then freeze CRIU for a moment, say while no other process of the sandbox's pid
+	// namespace may fork.
+	Cgroups []string
 	// Background runs CRIU at nice 19.
 	Background bool
 }
@@ -302,7 +306,7 @@ func DumpInside(ctx context.Context, o InsideDumpOptions) error {
 	}
 	log := filepath.Join(o.ImagesDir, "dump.log")
 	launch := filepath.Join(o.ImagesDir, "launch.log")
-	if err := c.run(o.InitPid, "dump", args, c.files(dir, freezer), launch, nil, o.Background); err != nil {
+	if err := c.run(o.InitPid, "dump", args, c.files(dir, freezer), launch, o.Cgroups, o.Background); err != nil {
 		return explainInside("dump", err, log, launch)
 	}
 	return nil

@@ -61,6 +61,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	if sb.State != model.StateRunning {
 		return nil, errdefs.FailedPrecondition("sandbox %s is stopped; resume it first with `cairn resume %s`", id, id)
 	}
+	e.touch(id)
 	b, err := e.backend(sb.Isolation)
 	if err != nil {
 		return nil, err
@@ -267,6 +268,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	}
 	// A crash from here on leaves the mark (resident.go); a completed rollback clears it.
 	defer clearRollback(e.cfg.DataDir, id)
+	e.touch(id)
 	// Fastest path: the checkpoint is resident in this very sandbox.
 	if r, ok := e.residentOf(b); ok && sb.State == model.StateRunning {
 		done, err := e.rollbackResident(ctx, r, sb, ck)

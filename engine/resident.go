@@ -32,7 +32,9 @@ import (
 //     restore), a stop or a CRIU checkpoint of the sandbox first waits for the pending
 //     durable copies of the sandbox and ends its zygotes (settleResidents);
 //   - each sandbox keeps at most Config.Residents checkpoints resident, the newest;
-//   - a fork, a standby or a resume restores the images, as for any checkpoint.
+//   - a fork, a standby or a resume restores the images, as for any checkpoint; no
+//     standby is prepared ahead for a resident checkpoint (a fork leaves one behind,
+//     Prewarm makes a batch).
 //
 // Invariant: a zygote checkpoint whose zygotes are gone has images (methodZygoteImages),
 // except after a machine crash before its durable copy, which recovery reports and
@@ -62,11 +64,50 @@ func (e *Engine) residentOf(b isolation.Backend) (isolation.Resident, bool) {
 // durableState is the queue of checkpoints whose durable copy is pending.
 type durableState struct {
 	mu sync.Mutex
-	// queue is in commit order; running says whether the worker runs; done closes a
-	// checkpoint's channel when its copy is written (or failed). All protected by mu.
+	// queue is in commit order; queued holds its IDs and the one being copied; running
+	// says whether the worker runs; busy is when each sandbox last had a checkpoint or
+	// rollback. All protected by mu.
 	queue   []string
+	queued  map[string]bool
 	running bool
-	done    map[string]chan struct{}
+	busy    map[string]time.Time
+}
+
+// A durable copy (a CRIU dump of each zygote, its rewrite, its compaction: ~0.2 s of
+// CPU and tens of MB written per W1 checkpoint) waits until its sandbox has had no
+// checkpoint or rollback for durableQuiet, at most durableDelay: on a small machine it
+// would otherwise slow the critical path of the checkpoints and rollbacks of a burst
+// (their btrfs commits wait for the same disk). An agent thinking between steps leaves
+// it the time; a fork needing the images writes them at once (ensureDurable).
+const (
+	durableQuiet = 150 * time.Millisecond
+	durableDelay = 2 * time.Second
+)
+
+// touch notes a checkpoint or rollback of sandbox id.
+func (e *Engine) touch(id string) {
+	d := &e.durable
+	d.mu.Lock()
+	if d.busy == nil {
+		d.busy = map[string]time.Time{}
+	}
+	d.busy[id] = time.Now()
+	d.mu.Unlock()
+}
+
+// quiet waits until sandbox id has been quiet for durableQuiet, or since durableDelay.
+func (e *Engine) quiet(id string) {
+	start := time.Now()
+	for {
+		e.durable.mu.Lock()
+		last := e.durable.busy[id]
+		e.durable.mu.Unlock()
+		wait := durableQuiet - time.Since(last)
+		if wait <= 0 || time.Since(start) >= durableDelay {
+			return
+		}
+		time.Sleep(min(wait, durableDelay-time.Since(start)))
+	}
 }
 
 // checkpointResident takes the checkpoint with zygotes when it can. It returns false
@@ -84,14 +125,14 @@ func (e *Engine) checkpointResident(ctx context.Context, r isolation.Resident, i
 func (e *Engine) durableLater(id string) {
 	d := &e.durable
 	d.mu.Lock()
-	if d.done == nil {
-		d.done = map[string]chan struct{}{}
+	if d.queued == nil {
+		d.queued = map[string]bool{}
 	}
-	if _, queued := d.done[id]; queued {
+	if d.queued[id] {
 		d.mu.Unlock()
 		return
 	}
-	d.done[id] = make(chan struct{})
+	d.queued[id] = true
 	d.queue = append(d.queue, id)
 	start := !d.running
 	d.running = true
@@ -109,12 +150,14 @@ func (e *Engine) durableLater(id string) {
 				id := d.queue[0]
 				d.queue = d.queue[1:]
 				d.mu.Unlock()
+				if ck, err := e.db.Checkpoint(ctx, id); err == nil {
+					e.quiet(ck.SandboxID)
+				}
 				if err := e.makeDurable(ctx, id); err != nil {
 					e.cfg.Logf("durable copy of checkpoint %s: %v", id, err)
 				}
 				d.mu.Lock()
-				close(d.done[id])
-				delete(d.done, id)
+				delete(d.queued, id)
 				d.mu.Unlock()
 			}
 		})
@@ -144,6 +187,9 @@ func (e *Engine) makeDurable(ctx context.Context, id string) error {
 	if err := r.MakeDurable(ctx, e.isb(sb), dir); err != nil {
 		return err
 	}
+	if cur, err := e.db.Checkpoint(ctx, id); err != nil || cur.Method != methodZygote {
+		return nil // recorded meanwhile by another caller (the worker, or a fork)
+	}
 	crashPoint("durable-written")
 	n := DirBytes(dir)
 	if err := e.db.SetCheckpointImages(ctx, id, methodZygoteImages, n); err != nil {
@@ -154,50 +200,27 @@ func (e *Engine) makeDurable(ctx context.Context, id string) error {
 		st.DurableMS += float64(time.Since(start).Microseconds()) / 1000
 	})
 	ck.Method, ck.ImageBytes = methodZygoteImages, n
-	e.refill(ck, e.cfg.Standbys)
+	// No standby is prepared ahead: rollbacks of the sandbox go through the zygotes, and
+	// a standby of each checkpoint (a snapshot, a restore, ~0.5 s of CPU and a root to
+	// delete later) would slow the critical path of the next ones on a small machine.
+	// A fork restores the images and leaves one behind; Prewarm makes a batch.
 	e.compactLater(ck)
 	return nil
 }
 
-// waitDurable waits until the durable copies of the given checkpoints are done.
-func (e *Engine) waitDurable(ctx context.Context, ids []string) error {
-	for _, id := range ids {
-		e.durable.mu.Lock()
-		ch := e.durable.done[id]
-		e.durable.mu.Unlock()
-		if ch == nil {
-			continue
-		}
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	}
-	return nil
-}
-
-// ensureDurable returns once checkpoint ck (updated in place) has images: for a
-// resident checkpoint whose durable copy is queued, it waits for it; if the copy is
-// not queued in this engine (another process took the checkpoint), it writes it now.
+// ensureDurable returns once checkpoint ck (updated in place) has images: a resident
+// checkpoint's durable copy is written now, unless it is already (the backend's
+// per-directory lock makes this and the worker's copy of it one).
 func (e *Engine) ensureDurable(ctx context.Context, ck *model.Checkpoint) error {
 	if ck.Method != methodZygote {
 		return nil
 	}
-	if err := e.waitDurable(ctx, []string{ck.ID}); err != nil {
-		return err
+	if err := e.makeDurable(ctx, ck.ID); err != nil {
+		return fmt.Errorf("durable copy of checkpoint %s: %w", ck.ID, err)
 	}
 	cur, err := e.db.Checkpoint(ctx, ck.ID)
 	if err != nil {
 		return err
-	}
-	if cur.Method == methodZygote {
-		if err := e.makeDurable(ctx, ck.ID); err != nil {
-			return fmt.Errorf("durable copy of checkpoint %s: %w", ck.ID, err)
-		}
-		if cur, err = e.db.Checkpoint(ctx, ck.ID); err != nil {
-			return err
-		}
 	}
 	*ck = *cur
 	return nil
@@ -248,13 +271,13 @@ func (e *Engine) settleResidents(ctx context.Context, sb *model.Sandbox) error {
 	if len(ids) == 0 {
 		return nil
 	}
-	if err := e.waitDurable(ctx, ids); err != nil {
-		return err
-	}
 	var errs []error
 	for _, ck := range cks {
 		if !slices.Contains(ids, ck.ID) {
 			continue
+		}
+		if err := e.ensureDurable(ctx, ck); err != nil {
+			e.cfg.Logf("%v", err)
 		}
 		if err := r.DropResident(e.imagesPath(ck.Images)); err != nil {
 			errs = append(errs, err)
@@ -304,8 +327,8 @@ func (e *Engine) evictResidents(sb *model.Sandbox, r isolation.Resident) {
 			return
 		}
 		for _, ck := range res[:len(res)-e.cfg.Residents] {
-			if err := e.waitDurable(ctx, []string{ck.ID}); err != nil {
-				return
+			if err := e.ensureDurable(ctx, ck); err != nil {
+				e.cfg.Logf("%v", err)
 			}
 			cur, err := e.db.Checkpoint(ctx, ck.ID)
 			if err != nil || cur.Method != methodZygoteImages {

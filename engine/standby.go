@@ -67,6 +67,17 @@ type Stats struct {
 	ResidentsEvicted  int     `json:"residents_evicted"`
 }
 
+// Since returns the counters accumulated since before was read.
+func (s Stats) Since(before Stats) Stats {
+	return Stats{StandbysPrepared: s.StandbysPrepared - before.StandbysPrepared,
+		StandbysClaimed: s.StandbysClaimed - before.StandbysClaimed, StandbysEvicted: s.StandbysEvicted - before.StandbysEvicted,
+		StandbyMisses: s.StandbyMisses - before.StandbyMisses, BackgroundMS: s.BackgroundMS - before.BackgroundMS,
+		StandbyPrepareMS: s.StandbyPrepareMS - before.StandbyPrepareMS, Compactions: s.Compactions - before.Compactions,
+		CompactionMS: s.CompactionMS - before.CompactionMS, CompactionSavedBytes: s.CompactionSavedBytes - before.CompactionSavedBytes,
+		ResidentRollbacks: s.ResidentRollbacks - before.ResidentRollbacks, DurableCopies: s.DurableCopies - before.DurableCopies,
+		DurableMS: s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted}
+}
+
 // Stats returns the engine's counters.
 func (e *Engine) Stats() Stats {
 	e.bgMu.Lock()

@@ -63,18 +63,17 @@ type Reverter interface {
 	// in live are not part of it and are left as they are.
 	//
 	// Preconditions: live is writable (ErrFailedPrecondition otherwise), snapshot is
-	// read-only (ErrFailedPrecondition), and nothing else writes to live or changes its
-	// read-only flag while Revert runs. Revert makes live read-only for a moment and
-	// makes it writable again before it returns, on every path. Writes made during
-	// Revert may be lost or half reverted.
+	// read-only (ErrFailedPrecondition), and nothing else writes to live while Revert
+	// runs: writes made meanwhile may be lost, half reverted or kept. live stays
+	// writable throughout (the difference is computed from a read-only snapshot of it,
+	// removed before Revert returns).
 	//
 	// Revert is not atomic. If it fails or is interrupted (a canceled ctx, a crash),
 	// live is partly reverted: a mixture of its old and the snapshot's content, still a
 	// consistent tree. Revert is idempotent and converges from any such state, which
 	// callers rely on: after a failure, run Revert again with the same arguments; after
-	// a crash, live may also still be read-only, so first clear that with
-	// SetReadOnly(ctx, live, false), then run Revert again. Until a Revert has succeeded,
-	// live must not be used.
+	// a crash, run it again too (the pool's recovery removes the snapshot a crash left).
+	// Until a Revert has succeeded, live must not be used.
 	Revert(ctx context.Context, live, snapshot string) (RevertStats, error)
 }
 
@@ -88,8 +87,8 @@ type RevertStats struct {
 	// CopiedBytes what had to be copied (block-unaligned edges, or where the
 	// filesystem refused a clone).
 	ClonedBytes, CopiedBytes int64
-	// ReadOnlyMS is the time spent setting and clearing live's read-only flag (each a
-	// transaction commit), SendMS computing the difference (which includes flushing
-	// live's dirty data), ApplyMS applying it.
-	ReadOnlyMS, SendMS, ApplyMS float64
+	// SnapshotMS is the time spent taking the read-only snapshot of live the difference
+	// is computed from (a transaction commit), SendMS computing the difference (which
+	// includes flushing live's dirty data), ApplyMS applying it.
+	SnapshotMS, SendMS, ApplyMS float64
 }

@@ -13,35 +13,16 @@ import (
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 )
 
-// A rollback in place (zygotes) replaces init's children under it: the host asks init
-// to forget them (their deaths are then not recorded), kills them, brings the root's
-// files back to the checkpoint's and forks the checkpoint's processes from their
-// zygotes, with their PIDs, as init's children; then init reloads. Its table is rebuilt
-// from the files it keeps under /.cairn/proc, which are the checkpoint's again.
-
-// forget drops every process; the stdin FIFOs init holds are kept aside for reload
-// (a process alive at the checkpoint and still alive before the rollback keeps its).
-func (s *server) forget() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.held == nil {
-		s.held = map[string]int{}
-	}
-	for h, p := range s.byHandle {
-		if p.stdin >= 0 {
-			s.held[h] = p.stdin
-		}
-		if p.master != nil {
-			p.master.Close()
-		}
-	}
-	s.procs = map[int]*proc{}
-	s.byHandle = map[string]*proc{}
-}
+// A rollback in place (zygotes) replaces init's children under it: the host kills them
+// (init records their exits, before reaping them: see reap), brings the root's files
+// back to the checkpoint's, which removes those records, and forks the checkpoint's
+// processes from their zygotes, with their PIDs, as init's children; then init reloads.
+// Its table is rebuilt from the files it keeps under /.cairn/proc, which are the
+// checkpoint's again.
 
 // reload learns init's processes from /.cairn/proc: each handle with a spec and no exit
-// record whose PID is alive and a child of init. It holds their stdin FIFOs (unless
-// closed) and closes the holds kept by forget that no process needs any more.
+// record whose PID is alive and a child of init, and holds their stdin FIFOs (unless
+// closed).
 func (s *server) reload() error {
 	ents, err := os.ReadDir(filepath.Join(base, initctl.ProcDir))
 	if err != nil {
@@ -66,36 +47,21 @@ func (s *server) reload() error {
 			continue
 		}
 		p := &proc{handle: h, pid: st.Pid, stdin: -1}
-		if err := s.holdStdin(p); err != nil {
+		if err := holdStdin(p); err != nil {
 			errs = append(errs, fmt.Errorf("stdin of %s: %w", h, err))
 		}
 		s.procs[p.pid] = p
 		s.byHandle[h] = p
 	}
-	for h, fd := range s.held {
-		unix.Close(fd)
-		delete(s.held, h)
-	}
 	return errors.Join(errs...)
 }
 
-// holdStdin gives p init's read-write hold on its stdin FIFO: the one forget kept if it
-// is still that FIFO, else a new one. Preconditions: s.mu is held.
-func (s *server) holdStdin(p *proc) error {
+// holdStdin gives p init's read-write hold on its stdin FIFO (unless closed).
+func holdStdin(p *proc) error {
 	if _, err := os.Stat(initctl.ProcPath(base, p.handle, initctl.StdinClosed)); err == nil {
 		return nil
 	}
-	fifo := initctl.ProcPath(base, p.handle, "stdin")
-	if fd, ok := s.held[p.handle]; ok {
-		delete(s.held, p.handle)
-		var a, b unix.Stat_t
-		if unix.Fstat(fd, &a) == nil && unix.Stat(fifo, &b) == nil && a.Ino == b.Ino && a.Dev == b.Dev {
-			p.stdin = fd
-			return nil
-		}
-		unix.Close(fd)
-	}
-	fd, err := unix.Open(fifo, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	fd, err := unix.Open(initctl.ProcPath(base, p.handle, "stdin"), unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}

@@ -35,9 +35,6 @@ type server struct {
 	procs map[int]*proc
 	// byHandle; protected by mu.
 	byHandle map[string]*proc
-	// held are stdin FIFO holds kept between forget and reload, by handle; protected
-	// by mu.
-	held map[string]int
 }
 
 func serve() error {
@@ -108,9 +105,6 @@ func (s *server) do(req *initctl.Request) (int, error) {
 			return 0, errors.New("spawn needs a command")
 		}
 		return s.spawn(req.Handle, req.Spec)
-	case initctl.OpForget:
-		s.forget()
-		return os.Getpid(), nil
 	case initctl.OpReload:
 		return os.Getpid(), s.reload()
 	}
@@ -272,12 +266,15 @@ func (s *server) startRelay(p *proc, dir string) {
 	}()
 }
 
-// reap collects every exited child; the exit status of a started process is recorded.
+// reap collects every exited child; the exit status of a started process is recorded
+// before the child is reaped (waitid with WNOWAIT, then wait4): once its PID is gone,
+// its exit is on disk. A rollback in place relies on it: it kills the sandbox's
+// processes, waits for their PIDs to go, and then brings /.cairn back to the
+// checkpoint's; a record written after that would belong to no process there.
 func (s *server) reap() {
 	for {
-		var ws unix.WaitStatus
-		pid, err := unix.Wait4(-1, &ws, unix.WNOHANG, nil)
-		if pid <= 0 || err != nil {
+		pid, st, ok := nextExited()
+		if !ok {
 			return
 		}
 		s.mu.Lock()
@@ -287,18 +284,50 @@ func (s *server) reap() {
 			delete(s.byHandle, p.handle)
 		}
 		s.mu.Unlock()
-		if p == nil {
-			continue
+		if p != nil {
+			s.finish(p, st)
 		}
-		st := initctl.ExitStatus{Code: ws.ExitStatus(), ExitedAt: time.Now().UTC()}
-		if ws.Signaled() {
-			st.Signal = int(ws.Signal())
-			st.Code = 128 + st.Signal
+		var ws unix.WaitStatus
+		for {
+			if _, err := unix.Wait4(pid, &ws, unix.WNOHANG, nil); err != unix.EINTR {
+				break
+			}
 		}
-		go s.finish(p, st)
 	}
 }
 
+// nextExited returns an exited child and how it ended, leaving it unreaped.
+func nextExited() (int, initctl.ExitStatus, bool) {
+	var info unix.Siginfo
+	for {
+		err := unix.Waitid(unix.P_ALL, 0, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return 0, initctl.ExitStatus{}, false
+		}
+		break
+	}
+	// The SIGCHLD fields of siginfo_t (si_pid, si_uid, si_status), after signo, errno,
+	// code and the union's alignment.
+	raw := (*[unsafe.Sizeof(info)]byte)(unsafe.Pointer(&info))
+	pid := int(*(*int32)(unsafe.Pointer(&raw[16])))
+	status := int(*(*int32)(unsafe.Pointer(&raw[24])))
+	if pid == 0 {
+		return 0, initctl.ExitStatus{}, false // no child has exited
+	}
+	st := initctl.ExitStatus{Code: status, ExitedAt: time.Now().UTC()}
+	if info.Code != cldExited {
+		st.Signal, st.Code = status, 128+status
+	}
+	return pid, st, true
+}
+
+// cldExited is CLD_EXITED: the child called exit (else it was killed, or dumped core).
+const cldExited = 1
+
+// finish records how p ended, after the output of its terminal (if any) is written.
 func (s *server) finish(p *proc, st initctl.ExitStatus) {
 	if p.master != nil {
 		p.relay.Wait()

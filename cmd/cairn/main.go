@@ -84,7 +84,10 @@ func (a *app) engine(ctx context.Context) (*engine.Engine, error) {
 	if a.eng != nil {
 		return a.eng, nil
 	}
-	cfg := engine.Config{DataDir: a.dataDir, PoolDir: a.poolDir, PoolImage: a.poolImage, StandbyRestores: a.standbyRestores}
+	cfg := engine.Config{DataDir: a.dataDir, PoolDir: a.poolDir, PoolImage: a.poolImage, StandbyRestores: a.standbyRestores,
+		// Problems of background work (durable copies, standbys, compaction) of this
+		// in-process engine; cairnd logs them.
+		Logf: func(format string, args ...any) { fmt.Fprintf(os.Stderr, "cairn: background: "+format+"\n", args...) }}
 	if !a.json {
 		a.progress = &lazyProgress{w: os.Stderr}
 		cfg.Progress = a.progress

@@ -58,12 +58,9 @@ const (
 	OpCloseStdin = "close-stdin"
 	OpResize     = "resize"
 	OpPing       = "ping"
-	// OpForget makes init drop every process it knows, without recording their exits:
-	// the host is about to kill them for a rollback in place (zygotes).
-	OpForget = "forget"
 	// OpReload makes init learn its processes again from the files under ProcDir: every
-	// process with a spec and no exit record that is alive and init's child. It follows
-	// OpForget once the rolled-back processes exist.
+	// process with a spec and no exit record that is alive and init's child. A rollback
+	// in place sends it once the checkpoint's processes are forked again.
 	OpReload = "reload"
 )
 

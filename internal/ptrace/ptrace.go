@@ -288,6 +288,22 @@ func (t *Tracee) Detach() error {
 	return nil
 }
 
+// Kill kills the tracee and waits until it is dead (as its tracer, we are told first).
+func (t *Tracee) Kill() error {
+	unix.Kill(t.Pid, unix.SIGKILL)
+	for {
+		ws, err := t.wait(stepTimeout)
+		if errors.Is(err, ErrExited) || ws.Exited() || ws.Signaled() {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		// A stop reported before the kill took: let it go on to its death.
+		unix.PtraceCont(t.Pid, 0)
+	}
+}
+
 // procState is the state letter of pid from /proc, for error messages.
 func procState(pid int) string {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")

@@ -52,13 +52,18 @@ func (b *Backend) MakeDurable(ctx context.Context, sb *isolation.Sandbox, dir st
 	if err := os.Mkdir(tmp, 0o700); err != nil {
 		return err
 	}
+	cg, err := criuCgroup(sb.CgroupName())
+	if err != nil {
+		return err
+	}
 	for _, p := range rec.Procs {
 		out := filepath.Join(tmp, strconv.Itoa(p.NSPid))
 		if err := os.Mkdir(out, 0o700); err != nil {
 			return err
 		}
 		if err := criu.DumpInside(ctx, criu.InsideDumpOptions{InitPid: sb.Init.Pid, Pid: p.ZygoteNSPid,
-			ImagesDir: out, FreezeCgroup: p.Cgroup, Background: true}); err != nil {
+			ImagesDir: out, FreezeCgroup: p.Cgroup, Cgroups: []string{filepath.Join(cg, "cgroup.procs")},
+			Background: true}); err != nil {
 			return fmt.Errorf("dump the zygote of process %d: %w", p.NSPid, err)
 		}
 		if err := fixup.Apply(out, specOf(p)); err != nil {
@@ -80,6 +85,31 @@ func (b *Backend) MakeDurable(ctx context.Context, sb *isolation.Sandbox, dir st
 		return err
 	}
 	return syncDir(dir)
+}
+
+// criuCgroup is the freezer cgroup CRIU runs in when it dumps zygotes of a sandbox from
+// inside: each process it starts takes the next PID of the sandbox's namespace, and a
+// rollback, which sets that next PID to the one each process must get again, freezes
+// it for the few forks it makes (holdCRIU).
+func criuCgroup(cgroup string) (string, error) {
+	dir := filepath.Join(cgroupRoot, "freezer", "cairn-criu", cgroup)
+	return dir, os.MkdirAll(dir, 0o755)
+}
+
+// holdCRIU freezes the sandbox's background CRIU, if one runs, and returns the thaw.
+func holdCRIU(cgroup string) (func(), error) {
+	dir := filepath.Join(cgroupRoot, "freezer", "cairn-criu", cgroup)
+	if len(readPids(filepath.Join(dir, "cgroup.procs"))) == 0 {
+		return func() {}, nil
+	}
+	if err := setFreezerDir(dir, "FROZEN"); err != nil {
+		return nil, err
+	}
+	if err := waitFreezer(dir, "FROZEN"); err != nil {
+		setFreezerDir(dir, "THAWED")
+		return nil, err
+	}
+	return func() { setFreezerDir(dir, "THAWED") }, nil
 }
 
 // specOf is what the images of p's zygote must become.

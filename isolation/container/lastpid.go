@@ -31,7 +31,9 @@ type lastPidHelper struct {
 	out *bufio.Reader
 }
 
-// lastPidScript answers each number N read on stdin by making N the next PID.
+// lastPidScript answers each number N read on stdin by making N the next PID. (It can
+// only write: dash reads a byte at a time, and a sysctl file reads as end-of-file at
+// any offset but 0.)
 const lastPidScript = `while read n; do
   if echo $((n - 1)) > /proc/sys/kernel/ns_last_pid; then echo ok; else echo error; fi
 done`

@@ -215,11 +215,9 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	if err != nil {
 		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
 	}
-	if resp, err := b.call(ctx, sb, initctl.Request{Op: initctl.OpForget}); err != nil {
-		return err
-	} else if err := resp.Err(sb.ID, "forget processes"); err != nil {
-		return err
-	}
+	// Init records each death before it reaps the process (cmd/cairn-init reap): once
+	// their PIDs are gone, nothing more is written for them, and the revert removes what
+	// was.
 	if err := killAllButInit(sb); err != nil {
 		return err
 	}
@@ -227,11 +225,19 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		return fmt.Errorf("revert the root of %s: %w", sb.ID, err)
 	}
 	// Init is frozen while the processes are forked: its Go runtime starts threads
-	// whenever it likes, and each takes the next PID of the namespace.
+	// whenever it likes, and each takes the next PID of the namespace. So is a CRIU
+	// dumping a zygote of the sandbox from inside, in the background, which starts
+	// processes in the namespace too.
+	release, err := holdCRIU(sb.CgroupName())
+	if err != nil {
+		return err
+	}
+	defer release()
 	if err := freeze(sb.CgroupName()); err != nil {
 		return err
 	}
 	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set})
+	release()
 	if terr := thaw(sb.CgroupName()); err == nil {
 		err = terr
 	}
@@ -294,6 +300,25 @@ func setFreezerDir(dir, state string) error {
 		return fmt.Errorf("freezer %s: %w", dir, err)
 	}
 	return nil
+}
+
+// waitFreezer waits until a freezer cgroup reaches state.
+func waitFreezer(dir, state string) error {
+	f := filepath.Join(dir, "freezer.state")
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return fmt.Errorf("freezer %s: %w", dir, err)
+		}
+		if strings.TrimSpace(string(b)) == state {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("freezer %s did not reach %s", dir, state)
+		}
+		time.Sleep(50 * time.Microsecond)
+	}
 }
 
 // dropAllZygotes kills every zygote of a sandbox and removes their cgroups (Stop): a

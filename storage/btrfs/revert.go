@@ -119,7 +119,7 @@ func (p *Pool) revert(ctx context.Context, live, snapshot string, opt revertOpti
 		return st, errdefs.InvalidArgument("btrfs pool %s: revert %q to %q: both names are the same volume", p.dir, live, snapshot)
 	}
 
-	cmds, err := p.revertDiff(livefd, liveFlags, liveID, snapfd, live, &st)
+	cmds, err := p.revertDiff(rootfd, livefd, live, snapfd, &st)
 	if err != nil {
 		return st, err
 	}
@@ -157,27 +157,37 @@ func (p *Pool) openRevertVolume(rootfd int, name, op string) (fd int, flags, id 
 	return fd, flags, id, nil
 }
 
-// revertDiff returns the send stream that turns live into the snapshot. It makes live
-// read-only for the send and restores liveFlags before it returns, whatever happens.
-//
-// The read-only flag stops new opens for writing, not writes through descriptors
-// opened earlier, which is why the contract forbids writers.
-func (p *Pool) revertDiff(livefd int, liveFlags, liveID uint64, snapfd int, live string, st *storage.RevertStats) (cmds []*sendCommand, err error) {
+// revertDiff returns the send stream that turns live into the snapshot. The send
+// ioctl compares read-only volumes: live's content is taken as a read-only snapshot of
+// it (a hidden ".tmp-" name next to it, which Recover deletes after a crash), removed
+// again before revertDiff returns. Live itself stays writable throughout: flipping its
+// read-only flag instead would fail whatever writes to it meanwhile (CRIU, dumping a
+// zygote from inside the sandbox, creates and removes a directory in its /tmp).
+func (p *Pool) revertDiff(rootfd, livefd int, live string, snapfd int, st *storage.RevertStats) (cmds []*sendCommand, err error) {
 	t := time.Now()
-	if err := setFlags(livefd, liveFlags|btrfsSubvolRdonly); err != nil {
-		return nil, p.opError("revert: make read-only", live, err)
+	dirfd, base, err := openParent(rootfd, live, false)
+	if err != nil {
+		return nil, p.opError("revert: open the directory of", live, err)
 	}
-	st.ReadOnlyMS += msSince(t)
-	defer func() {
-		t := time.Now()
-		if rerr := setFlags(livefd, liveFlags); rerr != nil {
-			err = errors.Join(err, fmt.Errorf("%w; the volume is still read-only: clear it with SetReadOnly(false) and run Revert again", p.opError("revert: make writable again", live, rerr)))
-		}
-		st.ReadOnlyMS += msSince(t)
-	}()
+	defer unix.Close(dirfd)
+	tmp := tmpName(base)
+	if err := snapCreate(dirfd, livefd, tmp, true); err != nil {
+		return nil, p.opError("revert: snapshot", live, err)
+	}
+	defer snapDestroy(dirfd, tmp)
+	tmpfd, err := unix.Openat(dirfd, tmp, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, p.opError("revert: open the snapshot of", live, err)
+	}
+	defer unix.Close(tmpfd)
+	tmpID, err := rootID(tmpfd)
+	if err != nil {
+		return nil, p.opError("revert: inspect the snapshot of", live, err)
+	}
+	st.SnapshotMS = msSince(t)
 
 	t = time.Now()
-	cmds, err = sendDiff(snapfd, liveID)
+	cmds, err = sendDiff(snapfd, tmpID)
 	st.SendMS = msSince(t)
 	switch {
 	case err == nil:
@@ -383,12 +393,23 @@ func (a *applier) namespace(c *sendCommand, p string) error {
 		}
 		return a.link(p, target)
 	case sendCmdUnlink:
-		return a.at(p, func(d int, b string, _ int) error { return unix.Unlinkat(d, b, 0) })
+		return a.at(p, func(d int, b string, _ int) error { return gone(unix.Unlinkat(d, b, 0)) })
 	case sendCmdRmdir:
 		defer a.forget(p)
-		return a.at(p, func(d int, b string, _ int) error { return unix.Unlinkat(d, b, unix.AT_REMOVEDIR) })
+		return a.at(p, func(d int, b string, _ int) error { return gone(unix.Unlinkat(d, b, unix.AT_REMOVEDIR)) })
 	}
 	return fmt.Errorf("%w: unexpected command", errSendStream)
+}
+
+// gone treats a name already removed as removed: something may have deleted a transient
+// entry between the snapshot the difference was computed from and the apply (CRIU
+// running inside the sandbox removes the directory it made in its /tmp), and an
+// interrupted apply may have removed it already.
+func gone(err error) error {
+	if errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	return err
 }
 
 // at calls fn with the directory holding p and p's last element; for the volume's root

@@ -23,6 +23,9 @@ type SpawnOptions struct {
 	SetLastPid func(nsPid int) error
 	// Phase, if set, is told how long each phase took ("stop", "fork", "fixups", "park").
 	Phase func(name string, d time.Duration)
+
+	// resume moves the next PID back past every PID in use (set by Spawn).
+	resume func() error
 }
 
 // Spawn makes every zygote of r fork the process it copies, with that process's PID,
@@ -47,6 +50,16 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 			return err
 		}
 		report(o.Phase, "stop", t)
+		// Each fork takes the PID it asks for, and the next PID moves at once past those
+		// of every process to fork: otherwise the next PID after the first process's
+		// would be the second's, and any process starting meanwhile in the namespace
+		// (CRIU, dumping a zygote from inside in the background) would take it. (PIDs
+		// in use past that one are skipped.)
+		last := 0
+		for _, p := range r.Procs {
+			last = max(last, p.NSPid)
+		}
+		o.resume = func() error { return o.SetLastPid(last + 1) }
 		for i := range r.Procs {
 			pid, err := spawnOne(zs[i], &r.Procs[i], o)
 			if pid > 0 {
@@ -170,10 +183,7 @@ func setFreezer(dir, state string) error {
 // process's host PID as soon as it exists.
 func spawnOne(z *ptrace.Tracee, p *Proc, o SpawnOptions) (int, error) {
 	t := time.Now()
-	if err := o.SetLastPid(p.NSPid); err != nil {
-		return 0, fmt.Errorf("next PID %d: %w", p.NSPid, err)
-	}
-	c, err := z.Fork(unix.CLONE_PARENT)
+	c, err := forkAs(z, p.NSPid, o)
 	if err != nil {
 		return 0, err
 	}
@@ -182,11 +192,6 @@ func spawnOne(z *ptrace.Tracee, p *Proc, o SpawnOptions) (int, error) {
 	fail := func(err error) (int, error) {
 		unix.Kill(c.Pid, unix.SIGKILL)
 		return c.Pid, err
-	}
-	if got, err := NSPid(c.Pid); err != nil {
-		return fail(err)
-	} else if got != p.NSPid {
-		return fail(fmt.Errorf("the new process got PID %d, not %d (PID taken?)", got, p.NSPid))
 	}
 	c.SetRegs(z.Regs())
 	// The zygote leads a session of its own; the process led its own (checked at the
@@ -201,6 +206,42 @@ func spawnOne(z *ptrace.Tracee, p *Proc, o SpawnOptions) (int, error) {
 	}
 	report(o.Phase, "fixups", t)
 	return c.Pid, nil
+}
+
+// pidTries bounds how long forkAs waits for a PID taken by another process.
+const pidTries = 40
+
+// forkAs makes z fork a child with PID nsPid in its namespace. Between setting the next
+// PID and the fork, another process of the namespace that forks takes it: not init
+// (frozen) nor the zygotes (frozen), but CRIU may, dumping a zygote from inside the
+// sandbox in the background, for the few milliseconds it runs. A child born with
+// another PID is killed and the fork tried again, a little later each time.
+func forkAs(z *ptrace.Tracee, nsPid int, o SpawnOptions) (*ptrace.Tracee, error) {
+	for try := 1; ; try++ {
+		if err := o.SetLastPid(nsPid); err != nil {
+			return nil, fmt.Errorf("next PID %d: %w", nsPid, err)
+		}
+		c, err := z.Fork(unix.CLONE_PARENT)
+		if rerr := o.resume(); err == nil && rerr != nil {
+			c.Kill()
+			return nil, fmt.Errorf("next PID: %w", rerr)
+		}
+		if err != nil {
+			return nil, err
+		}
+		got, err := NSPid(c.Pid)
+		if err == nil && got == nsPid {
+			return c, nil
+		}
+		c.Kill()
+		if err != nil {
+			return nil, err
+		}
+		if try == pidTries {
+			return nil, fmt.Errorf("the new process got PID %d, not %d: the PID is taken", got, nsPid)
+		}
+		time.Sleep(time.Duration(try) * time.Millisecond)
+	}
 }
 
 // fixup puts back in the new process c what its zygote z shares with the processes
