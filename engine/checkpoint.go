@@ -269,15 +269,24 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	// A crash from here on leaves the mark (resident.go); a completed rollback clears it.
 	defer clearRollback(e.cfg.DataDir, id)
 	e.touch(id)
-	// Fastest path: the checkpoint is resident in this very sandbox.
+	// Fastest path: the checkpoint is resident in this very sandbox; next, it was and its
+	// images go back into the sandbox's running init, which keeps the others resident.
 	if r, ok := e.residentOf(b); ok && sb.State == model.StateRunning {
 		done, err := e.rollbackResident(ctx, r, sb, ck)
+		if !done && err == nil {
+			// Read again: the checkpoint may have just been evicted (its durable copy
+			// written, then its zygotes ended) by the background.
+			if ck, err = e.checkpoint(ctx, checkpointID); err != nil {
+				return err
+			}
+			done, err = e.rollbackDurable(ctx, r, sb, ck)
+		}
 		if done {
 			return nil
 		}
 		if err != nil {
 			// The sandbox has lost its processes: it is restored from images below.
-			e.cfg.Logf("rollback of %s to %s through zygotes failed (%v); restoring its images", id, ck.ID, err)
+			e.cfg.Logf("rollback of %s to %s in place failed (%v); restoring its images", id, ck.ID, err)
 		}
 	}
 	// Every other path gives the sandbox a new generation (root, init), in which its

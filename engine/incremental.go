@@ -113,6 +113,11 @@ func (g guardedContainer) Restore(ctx context.Context, sb *isolation.Sandbox, di
 	return g.Backend.Restore(ctx, sb, dir)
 }
 
+func (g guardedContainer) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, dir string, revert func(context.Context) error) error {
+	defer g.images.rlock()()
+	return g.Backend.RollbackDurable(ctx, sb, dir, revert)
+}
+
 func (g guardedContainer) RestoreFrozen(ctx context.Context, sb *isolation.Sandbox, dir string) error {
 	defer g.images.rlock()()
 	return g.Backend.RestoreFrozen(ctx, sb, dir)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 
@@ -120,4 +121,159 @@ func TestResidentImages(t *testing.T) {
 	if got := e.Stats().ResidentRollbacks; got != 0 {
 		t.Fatalf("%d rollbacks went through zygotes, after Settle ended them", got)
 	}
+}
+
+// TestRollbackInPlace rolls a sandbox back to a checkpoint whose zygotes were evicted
+// (Config.Residents = 1): its images are restored into the sandbox's running init,
+// which keeps the other checkpoint resident, and a rollback to that one then goes
+// through its zygotes. Files and REPL state are checked after each.
+func TestRollbackInPlace(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, 1 })
+	ctx := context.Background()
+	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Remove(context.Background(), sb.ID) })
+	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &repl{t: t, e: e, sb: sb.ID, p: p}
+	state := func() string {
+		return r.ask("print(x, open('/f').read().strip())")
+	}
+	var cks []*model.Checkpoint
+	for k := 1; k <= 2; k++ {
+		r.ask(fmt.Sprintf("x = %d\nopen('/f', 'w').write('file %d')", k, k))
+		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cks = append(cks, ck)
+	}
+	e.Quiesce()
+	first, err := e.GetCheckpoint(ctx, cks[0].ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Resident || first.Method != "zygote-criu" {
+		t.Fatalf("first checkpoint: method %s, resident %v; want evicted after its durable copy", first.Method, first.Resident)
+	}
+	r.ask("x = 3\nopen('/f', 'w').write('file 3')")
+	before, err := e.Get(ctx, sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Rollback(ctx, sb.ID, cks[0].ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := state(); got != "1 file 1" {
+		t.Fatalf("after the rollback in place: %q, want %q", got, "1 file 1")
+	}
+	after, err := e.Get(ctx, sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.InPlaceRestores != 1 || after.Init != before.Init || after.Root != before.Root {
+		t.Fatalf("rollback to the evicted checkpoint: %d restores in place, init %v→%v, root %s→%s; want 1, the same init and root",
+			st.InPlaceRestores, before.Init, after.Init, before.Root, after.Root)
+	}
+	second, err := e.GetCheckpoint(ctx, cks[1].ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !second.Resident {
+		t.Fatalf("second checkpoint lost its zygotes in the rollback in place (method %s)", second.Method)
+	}
+	if err := e.Rollback(ctx, sb.ID, cks[1].ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := state(); got != "2 file 2" {
+		t.Fatalf("after the rollback through zygotes: %q, want %q", got, "2 file 2")
+	}
+	if st := e.Stats(); st.ResidentRollbacks != 1 {
+		t.Fatalf("rollback to the resident checkpoint: %d through zygotes, want 1", st.ResidentRollbacks)
+	}
+}
+
+// inPlaceCrashEnv marks the child process of TestRollbackInPlaceCrash.
+const inPlaceCrashEnv = "CAIRN_IN_PLACE_CRASH"
+
+// TestRollbackInPlaceCrash kills the engine (SIGKILL, in a child process) in the middle
+// of a rollback in place by images, its processes killed and its root not reverted; the
+// next engine finds the sandbox by its mark and rolls it back again, and the state is
+// the checkpoint's.
+func TestRollbackInPlaceCrash(t *testing.T) {
+	if os.Getenv(inPlaceCrashEnv) != "" {
+		inPlaceCrashChild(t)
+		return
+	}
+	ctx := context.Background()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestRollbackInPlaceCrash$", "-test.v")
+	cmd.Env = append(os.Environ(), inPlaceCrashEnv+"=1")
+	out, err := cmd.CombinedOutput()
+	got := childReport(string(out))
+	cfg := testenv.Config(t)
+	cfg.Standbys = -1
+	e, err2 := engine.Open(ctx, cfg)
+	if err2 != nil {
+		t.Fatalf("reopen after crash: %v", err2)
+	}
+	t.Cleanup(func() { e.Close() })
+	if sb := got["sandbox"]; sb != "" {
+		t.Cleanup(func() { removeWithCheckpoints(e, sb) })
+	}
+	if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != -1 {
+		t.Fatalf("crash child did not die by signal: %v: %s", err, out)
+	}
+	e.Quiesce()
+	if l := e.Leftovers(); len(l) > 0 {
+		t.Fatalf("leftovers after recovery: %v", l)
+	}
+	sb, err := e.Get(ctx, got["sandbox"])
+	if err != nil || sb.State != model.StateRunning || sb.Head != got["target"] {
+		t.Fatalf("sandbox after crash: %+v %v (want running, head %s)", sb, err, got["target"])
+	}
+	r := &repl{t: t, e: e, sb: sb.ID, p: got["process"]}
+	if s := r.ask("print(x, open('/f').read().strip())"); s != "1 file 1" {
+		t.Fatalf("after recovery: %q, want %q", s, "1 file 1")
+	}
+}
+
+// inPlaceCrashChild takes two checkpoints with one resident at a time, so the first is
+// evicted, and dies rolling back to it.
+func inPlaceCrashChild(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, 1 })
+	ctx := context.Background()
+	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Printf("crash-child sandbox %s\ncrash-child process %s\n", sb.ID, p)
+	r := &repl{t: t, e: e, sb: sb.ID, p: p}
+	var cks []*model.Checkpoint
+	for k := 1; k <= 2; k++ {
+		r.ask(fmt.Sprintf("x = %d\nopen('/f', 'w').write('file %d')", k, k))
+		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cks = append(cks, ck)
+	}
+	e.Quiesce()
+	if ck, err := e.GetCheckpoint(ctx, cks[0].ID); err != nil || ck.Resident {
+		t.Fatalf("first checkpoint still resident (%v): nothing to roll back in place", err)
+	}
+	r.ask("x = 3\nopen('/f', 'w').write('file 3')")
+	fmt.Printf("crash-child target %s\n", cks[0].ID)
+	os.Setenv("CAIRN_TEST_CRASH_AT", "durable-rollback-killed")
+	if err := e.Rollback(ctx, sb.ID, cks[0].ID); err != nil {
+		t.Fatal(err)
+	}
+	t.Fatal("no crash at durable-rollback-killed")
 }

@@ -57,11 +57,13 @@ type Stats struct {
 	Compactions          int     `json:"compactions"`
 	CompactionMS         float64 `json:"compaction_ms"`
 	CompactionSavedBytes int64   `json:"compaction_saved_bytes"`
-	// ResidentRollbacks counts rollbacks through zygotes (resident.go); DurableCopies
+	// ResidentRollbacks counts rollbacks through zygotes (resident.go), InPlaceRestores
+	// those that restored images into the sandbox's running init; DurableCopies
 	// the durable copies written of resident checkpoints and DurableMS their time (also
 	// in BackgroundMS); ResidentsEvicted the resident checkpoints whose zygotes were
 	// ended to keep within Config.Residents.
 	ResidentRollbacks int     `json:"resident_rollbacks"`
+	InPlaceRestores   int     `json:"in_place_restores"`
 	DurableCopies     int     `json:"durable_copies"`
 	DurableMS         float64 `json:"durable_ms"`
 	ResidentsEvicted  int     `json:"residents_evicted"`
@@ -74,8 +76,9 @@ func (s Stats) Since(before Stats) Stats {
 		StandbyMisses: s.StandbyMisses - before.StandbyMisses, BackgroundMS: s.BackgroundMS - before.BackgroundMS,
 		StandbyPrepareMS: s.StandbyPrepareMS - before.StandbyPrepareMS, Compactions: s.Compactions - before.Compactions,
 		CompactionMS: s.CompactionMS - before.CompactionMS, CompactionSavedBytes: s.CompactionSavedBytes - before.CompactionSavedBytes,
-		ResidentRollbacks: s.ResidentRollbacks - before.ResidentRollbacks, DurableCopies: s.DurableCopies - before.DurableCopies,
-		DurableMS: s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted}
+		ResidentRollbacks: s.ResidentRollbacks - before.ResidentRollbacks, InPlaceRestores: s.InPlaceRestores - before.InPlaceRestores,
+		DurableCopies: s.DurableCopies - before.DurableCopies,
+		DurableMS:     s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted}
 }
 
 // Stats returns the engine's counters.
@@ -196,6 +199,14 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	if err := e.db.AddStandby(ctx, s); err != nil {
 		e.discard(context.WithoutCancel(ctx), s)
 		return err
+	}
+	// The checkpoint may have been deleted while its copy was restored: its deletion
+	// removes the row before it drops standbys, so one of the two sees the other.
+	if _, err := e.db.Checkpoint(ctx, ck.ID); errors.Is(err, errdefs.ErrNotFound) {
+		if ok, _ := e.db.DeleteStandby(ctx, s.ID); ok {
+			e.discard(context.WithoutCancel(ctx), s)
+		}
+		return nil
 	}
 	e.count(func(st *Stats) {
 		st.StandbysPrepared++
@@ -412,16 +423,22 @@ func (e *Engine) dropStandbys(ctx context.Context, checkpoints []string) {
 	}
 }
 
-// recoverStandbys drops standbys whose processes are gone (after a reboot).
+// recoverStandbys drops standbys whose processes are gone (after a reboot), and those
+// of checkpoints deleted while they were prepared by an engine that then stopped.
 func (e *Engine) recoverStandbys(ctx context.Context) {
 	all, _ := e.db.Standbys(ctx)
 	for _, s := range all {
 		b, err := e.backend(s.Isolation)
-		if err == nil && b.Running(e.standbyISB(s)) {
+		running := err == nil && b.Running(e.standbyISB(s))
+		if _, err := e.db.Checkpoint(ctx, s.Checkpoint); running && !errors.Is(err, errdefs.ErrNotFound) {
 			continue
 		}
 		if ok, _ := e.db.DeleteStandby(ctx, s.ID); ok {
-			e.pool.Delete(ctx, s.Root)
+			if running {
+				e.discard(ctx, s)
+			} else {
+				e.pool.Delete(ctx, s.Root)
+			}
 		}
 	}
 }

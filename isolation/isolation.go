@@ -93,6 +93,11 @@ type Resident interface {
 	// belong to another generation of the sandbox (nothing was done then); any other
 	// error leaves sb without its processes, to be restored from images.
 	RollbackResident(ctx context.Context, sb *Sandbox, dir string, revert func(context.Context) error) error
+	// RollbackDurable is RollbackResident for a checkpoint of sb made durable whose
+	// zygotes are gone: the processes are restored from its images into sb's running
+	// init, so that sb keeps its generation and its other checkpoints' zygotes stay
+	// usable. ErrNotResident if the images cannot be restored so (nothing was done).
+	RollbackDurable(ctx context.Context, sb *Sandbox, dir string, revert func(context.Context) error) error
 	// MakeDurable writes process images of the resident checkpoint in dir, from its
 	// zygotes, so that it outlives them. sb is the sandbox they belong to.
 	MakeDurable(ctx context.Context, sb *Sandbox, dir string) error

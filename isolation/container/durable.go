@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -155,15 +156,62 @@ func perProcess(dir string) bool {
 // restored into the sandbox as its child, then init reloads. frozen: every task, init
 // included, is left frozen (a standby), none having run an instruction of its own.
 func (b *Backend) restoreProcs(ctx context.Context, sb *isolation.Sandbox, dir string, frozen bool) error {
-	if _, err := os.Stat(filepath.Join(dir, procsDir)); err != nil {
-		if _, ok, _ := zygote.Read(dir); ok {
-			return errors.New("the checkpoint is held in memory only: its durable copy is not written (yet)")
-		}
-		return err
-	}
-	ents, err := os.ReadDir(filepath.Join(dir, procsDir))
+	pids, err := procsOf(dir)
 	if err != nil {
 		return err
+	}
+	// The PID base is set after the processes are back: until then init's threads take
+	// low PIDs, below those of the processes (UserPidBase and up).
+	if err := b.start(ctx, sb, false); err != nil {
+		return err
+	}
+	if err := b.restoreInto(ctx, sb, dir, pids, frozen); err != nil {
+		b.Stop(ctx, sb)
+		return err
+	}
+	return nil
+}
+
+// RollbackDurable is RollbackResident for a checkpoint of sb whose zygotes are gone but
+// whose durable copy is per-process images: the processes are restored from them into
+// sb's running init. The sandbox keeps its generation, so the zygotes of its other
+// checkpoints stay usable (a rollback that started a new init would strand them: each
+// would have to be dumped first).
+func (b *Backend) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, dir string, revert func(context.Context) error) error {
+	if !perProcess(dir) {
+		return fmt.Errorf("%w: the checkpoint's images are of the whole tree", isolation.ErrNotResident)
+	}
+	pids, err := procsOf(dir)
+	if err != nil {
+		return err
+	}
+	if !b.Running(sb) {
+		return fmt.Errorf("%w: sandbox %s is not running", isolation.ErrNotResident, sb.ID)
+	}
+	if err := killAllButInit(sb); err != nil {
+		return err
+	}
+	if err := revert(ctx); err != nil {
+		return fmt.Errorf("revert the root of %s: %w", sb.ID, err)
+	}
+	// A CRIU dumping a zygote of the sandbox in the background starts processes in its
+	// namespace, which could take a PID to restore.
+	release, err := holdCRIU(sb.CgroupName())
+	if err != nil {
+		return err
+	}
+	defer release()
+	return b.restoreInto(ctx, sb, dir, pids, false)
+}
+
+// procsOf lists the PIDs (in the sandbox) of the processes whose images dir holds.
+func procsOf(dir string) ([]int, error) {
+	ents, err := os.ReadDir(filepath.Join(dir, procsDir))
+	if err != nil {
+		if _, ok, _ := zygote.Read(dir); ok && errors.Is(err, fs.ErrNotExist) {
+			return nil, errors.New("the checkpoint is held in memory only: its durable copy is not written (yet)")
+		}
+		return nil, err
 	}
 	var pids []int
 	for _, e := range ents {
@@ -172,18 +220,27 @@ func (b *Backend) restoreProcs(ctx context.Context, sb *isolation.Sandbox, dir s
 		}
 	}
 	sort.Ints(pids) // CRIU restores with set PIDs; order only matters for the log
-	// The PID base is set after the processes are back: until then init's threads take
-	// low PIDs, below those of the processes (UserPidBase and up).
-	if err := b.start(ctx, sb, false); err != nil {
-		return err
-	}
+	return pids, nil
+}
+
+// restoreInto restores the processes pids of dir's per-process images into sb, whose
+// init runs (and has no other child but the zygotes'), then has init reload them. On
+// failure, what it restored is killed and init runs again.
+func (b *Backend) restoreInto(ctx context.Context, sb *isolation.Sandbox, dir string, pids []int, frozen bool) error {
 	// Init is frozen while the processes come back: each new thread of its runtime takes
 	// the next PID of the namespace, which could be one still to restore. CRIU joins the
 	// sandbox's cgroups but for the freezer's (it would freeze there); each process,
 	// restored stopped, goes into the sandbox's freezer cgroup, and runs once init knows
 	// it.
 	if err := freeze(sb.CgroupName()); err != nil {
-		b.Stop(ctx, sb)
+		return err
+	}
+	var restored []int
+	fail := func(err error) error {
+		for _, p := range restored {
+			unix.Kill(p, unix.SIGKILL)
+		}
+		thaw(sb.CgroupName())
 		return err
 	}
 	var cgroups []string
@@ -192,18 +249,15 @@ func (b *Backend) restoreProcs(ctx context.Context, sb *isolation.Sandbox, dir s
 			cgroups = append(cgroups, filepath.Join(ctrlDir(h.dir, sb.CgroupName()), "cgroup.procs"))
 		}
 	}
-	var restored []int
 	work, err := os.MkdirTemp("", "cairn-restore-")
 	if err != nil {
-		b.Stop(ctx, sb)
-		return err
+		return fail(err)
 	}
 	defer os.RemoveAll(work)
 	for _, pid := range pids {
 		w := filepath.Join(work, strconv.Itoa(pid))
 		if err := os.Mkdir(w, 0o700); err != nil {
-			b.Stop(ctx, sb)
-			return err
+			return fail(err)
 		}
 		host, err := criu.RestoreInside(ctx, criu.InsideRestoreOptions{InitPid: sb.Init.Pid,
 			ImagesDir: filepath.Join(dir, procsDir, strconv.Itoa(pid)), WorkDir: w,
@@ -214,8 +268,7 @@ func (b *Backend) restoreProcs(ctx context.Context, sb *isolation.Sandbox, dir s
 			err = os.WriteFile(filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"), []byte(strconv.Itoa(host)), 0)
 		}
 		if err != nil {
-			b.Stop(ctx, sb)
-			return fmt.Errorf("restore process %d: %w", pid, err)
+			return fail(fmt.Errorf("restore process %d: %w", pid, err))
 		}
 	}
 	err = thaw(sb.CgroupName())
@@ -228,18 +281,14 @@ func (b *Backend) restoreProcs(ctx context.Context, sb *isolation.Sandbox, dir s
 			err = resp.Err(sb.ID, "reload processes")
 		}
 	}
-	if err == nil {
-		if frozen {
-			err = freezeStopped(sb.CgroupName()) // a standby: held by the freezer
-		} else {
-			for _, p := range restored {
-				unix.Kill(p, unix.SIGCONT)
-			}
-		}
-	}
 	if err != nil {
-		b.Stop(ctx, sb)
-		return err
+		return fail(err)
+	}
+	if frozen {
+		return freezeStopped(sb.CgroupName()) // a standby: held by the freezer
+	}
+	for _, p := range restored {
+		unix.Kill(p, unix.SIGCONT)
 	}
 	return nil
 }
