@@ -157,11 +157,9 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		return nil, err
 	}
 	if resident {
-		// Images, standbys and compaction follow the durable copy.
+		// Images, compaction and the eviction of the oldest resident checkpoints follow
+		// the durable copy.
 		e.durableLater(ck.ID)
-		if r, ok := e.residentOf(b); ok {
-			e.evictResidents(sb, r)
-		}
 		if opts.Durable {
 			if err := e.ensureDurable(ctx, ck); err != nil {
 				return nil, err

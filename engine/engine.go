@@ -65,8 +65,9 @@ type Config struct {
 	// for memory bandwidth and the page allocator with the dump, nice or not).
 	StandbyRestores int
 	// Residents is how many checkpoints of each sandbox stay resident (held by zygotes,
-	// see resident.go) at most (0: DefaultResidents; -1: none, every checkpoint is a
-	// CRIU dump).
+	// see resident.go) once durable (0: DefaultResidents; -1: none, every checkpoint is
+	// a CRIU dump). A soft cap: checkpoints whose durable copy is pending stay resident
+	// beyond it until the copy is written.
 	Residents int
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)

@@ -31,7 +31,8 @@ import (
 //   - a rollback that would give the sandbox a new generation (a standby, a CRIU
 //     restore), a stop or a CRIU checkpoint of the sandbox first waits for the pending
 //     durable copies of the sandbox and ends its zygotes (settleResidents);
-//   - each sandbox keeps at most Config.Residents checkpoints resident, the newest;
+//   - each sandbox keeps Config.Residents checkpoints resident, the newest, and those
+//     whose copy is pending (the worker evicts the oldest durable ones after each copy);
 //   - a fork, a standby or a resume restores the images, as for any checkpoint; no
 //     standby is prepared ahead for a resident checkpoint (a fork leaves one behind,
 //     Prewarm makes a batch).
@@ -153,8 +154,15 @@ func (e *Engine) durableLater(id string) {
 				if ck, err := e.db.Checkpoint(ctx, id); err == nil {
 					e.quiet(ck.SandboxID)
 				}
+				sandbox := ""
+				if ck, err := e.db.Checkpoint(ctx, id); err == nil {
+					sandbox = ck.SandboxID
+				}
 				if err := e.makeDurable(ctx, id); err != nil {
 					e.cfg.Logf("durable copy of checkpoint %s: %v", id, err)
+				}
+				if sandbox != "" {
+					e.evictResidents(ctx, sandbox)
 				}
 				d.mu.Lock()
 				delete(d.queued, id)
@@ -317,27 +325,38 @@ func (e *Engine) deleteLost(ctx context.Context, id string) {
 	}
 }
 
-// evictResidents ends the zygotes of sb's oldest resident checkpoints beyond
-// Config.Residents, once they are durable (the worker is in commit order, so waiting for
-// them waits for nothing newer). Runs in the background after a checkpoint.
-func (e *Engine) evictResidents(sb *model.Sandbox, r isolation.Resident) {
-	e.background(func(ctx context.Context) {
-		res, err := e.residentsOf(ctx, sb, r)
-		if err != nil || len(res) <= e.cfg.Residents {
-			return
+// evictResidents ends the zygotes of sandbox id's oldest resident checkpoints beyond
+// Config.Residents that are already durable. The durable worker calls it after each
+// copy, so it never dumps anything itself: a checkpoint whose copy is pending stays
+// resident beyond the cap until its copy is written (a burst of checkpoints holds more
+// for a moment instead of paying CRIU dumps on its critical path).
+func (e *Engine) evictResidents(ctx context.Context, id string) {
+	sb, err := e.db.Sandbox(ctx, id)
+	if err != nil {
+		return
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return
+	}
+	r, ok := e.residentOf(b)
+	if !ok {
+		return
+	}
+	res, err := e.residentsOf(ctx, sb, r)
+	if err != nil || len(res) <= e.cfg.Residents {
+		return
+	}
+	for _, ck := range res[:len(res)-e.cfg.Residents] {
+		if ck.Method != methodZygoteImages {
+			continue // its copy is pending: the worker evicts it after writing it
 		}
-		for _, ck := range res[:len(res)-e.cfg.Residents] {
-			if err := e.ensureDurable(ctx, ck); err != nil {
-				e.cfg.Logf("%v", err)
-			}
-			cur, err := e.db.Checkpoint(ctx, ck.ID)
-			if err != nil || cur.Method != methodZygoteImages {
-				continue // deleted, or its copy failed: keep what is left of it
-			}
-			r.DropResident(e.imagesPath(ck.Images))
-			e.count(func(st *Stats) { st.ResidentsEvicted++ })
+		if err := r.DropResident(e.imagesPath(ck.Images)); err != nil {
+			e.cfg.Logf("evict zygotes of checkpoint %s: %v", ck.ID, err)
+			continue
 		}
-	})
+		e.count(func(st *Stats) { st.ResidentsEvicted++ })
+	}
 }
 
 // rollbackResident rolls sb back to ck through ck's zygotes, if it has some for sb as
