@@ -16,7 +16,8 @@ import (
 const killGrace = 2 * time.Second
 
 // execStream runs a command and streams its output (POST .../exec). A client that
-// disconnects takes its process with it; a daemon that shuts down does not.
+// disconnects takes its process with it; a daemon that shuts down does not. The
+// process's record is removed after its end, unless the request says keep.
 func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 	var req client.ExecRequest
 	if err := decode(w, r, &req, false); err != nil {
@@ -75,6 +76,10 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 		if err != nil {
 			n.fail(err)
 			return err
+		}
+		if !req.Keep {
+			// The stream carried everything of it: its record goes (see RemoveProcess).
+			s.eng.RemoveProcess(ctx, id, h)
 		}
 		return n.send(client.Chunk{Type: client.ChunkEnd, Exit: st, TimedOut: timedOut, StdoutOffset: out.off, StderrOffset: errw.off})
 	})

@@ -173,6 +173,15 @@ func TestOpenAPIAgreement(t *testing.T) {
 	if res.ExitCode != 3 {
 		t.Fatalf("exit code %d, want 3", res.ExitCode)
 	}
+	// The stream removes the record it carried, unless asked to keep it.
+	if _, err := c.Process(ctx, sb.ID, res.Handle); !errorsIs(err, errdefs.ErrNotFound) {
+		t.Fatalf("record of a finished exec: %v, want not found", err)
+	}
+	kept, err := c.Run(ctx, sb.ID, client.ExecRequest{Args: []string{"true"}, Keep: true}, nil, nil)
+	must(err)
+	if p, err := c.Process(ctx, sb.ID, kept.Handle); err != nil || p.Exit == nil {
+		t.Fatalf("record of an exec with keep: %+v %v", p, err)
+	}
 	h := repl(t, c, sb.ID)
 	send(t, c, sb.ID, h, "x = 41")
 	_, err = c.Processes(ctx, sb.ID)
@@ -230,6 +239,10 @@ func TestOpenAPIAgreement(t *testing.T) {
 	}
 	_, err = c.Follow(ctx, sb.ID, h, io.Discard, io.Discard)
 	must(err)
+	must(c.RemoveProcess(ctx, sb.ID, h))
+	if _, err := c.Process(ctx, sb.ID, h); !errorsIs(err, errdefs.ErrNotFound) {
+		t.Fatalf("process after its removal: %v", err)
+	}
 	removed, err := c.DeleteCheckpoint(ctx, c2.ID, false)
 	must(err)
 	if len(removed) != 1 {

@@ -39,6 +39,16 @@ func (s *Server) getProcess(w http.ResponseWriter, r *http.Request) error {
 	})
 }
 
+func (s *Server) removeProcess(w http.ResponseWriter, r *http.Request) error {
+	return s.sandboxCall(r, true, func(ctx context.Context, id string) error {
+		if err := s.eng.RemoveProcess(ctx, id, r.PathValue("handle")); err != nil {
+			return err
+		}
+		w.WriteHeader(http.StatusNoContent)
+		return nil
+	})
+}
+
 func execOptions(req client.ExecRequest) (model.ExecOptions, error) {
 	if len(req.Args) == 0 || req.Args[0] == "" {
 		return model.ExecOptions{}, errdefs.InvalidArgument("\"args\" needs the command and its arguments, e.g. [\"python3\", \"-c\", \"print(1)\"]")
@@ -63,8 +73,8 @@ func (s *Server) spawnProcess(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	if req.Stdin != "" || req.TimeoutSeconds != 0 {
-		return errdefs.InvalidArgument("stdin and timeout_seconds are for POST .../exec; write to a background process with .../stdin and stop it with .../signal")
+	if req.Stdin != "" || req.TimeoutSeconds != 0 || req.Keep {
+		return errdefs.InvalidArgument("stdin, timeout_seconds and keep are for POST .../exec; write to a background process with .../stdin, stop it with .../signal; its record stays until DELETE .../processes/{handle}")
 	}
 	return s.sandboxCall(r, true, func(ctx context.Context, id string) error {
 		var h string

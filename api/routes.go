@@ -39,6 +39,7 @@ var routes = []route{
 	{"GET /v1/sandboxes/{id}/processes", (*Server).listProcesses},
 	{"POST /v1/sandboxes/{id}/processes", (*Server).spawnProcess},
 	{"GET /v1/sandboxes/{id}/processes/{handle}", (*Server).getProcess},
+	{"DELETE /v1/sandboxes/{id}/processes/{handle}", (*Server).removeProcess},
 	{"GET /v1/sandboxes/{id}/processes/{handle}/output", (*Server).processOutput},
 	{"POST /v1/sandboxes/{id}/processes/{handle}/stdin", (*Server).writeStdin},
 	{"POST /v1/sandboxes/{id}/processes/{handle}/signal", (*Server).signalProcess},

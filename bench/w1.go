@@ -79,6 +79,10 @@ func run(ctx context.Context, e *engine.Engine, id string, args ...string) (stri
 		msg, _, _ := e.Output(ctx, id, h, "stderr", 0)
 		return "", fmt.Errorf("%s: exit %d signal %d: %s", strings.Join(args, " "), st.Code, st.Signal, tail(msg, 400))
 	}
+	// As a foreground exec of cairn's CLI and API does: the record goes once read.
+	if err := e.RemoveProcess(ctx, id, h); err != nil {
+		return "", err
+	}
 	return string(out), nil
 }
 

@@ -30,6 +30,8 @@ type Backend interface {
 	Output(ctx context.Context, id, handle, stream string, offset int64) ([]byte, int64, error)
 	Follow(ctx context.Context, id, handle string, stdout, stderr io.Writer) (*ExitStatus, error)
 	Wait(ctx context.Context, id, handle string) (*ExitStatus, error)
+	// RemoveProcess deletes the record of an exited process.
+	RemoveProcess(ctx context.Context, id, handle string) error
 
 	Checkpoint(ctx context.Context, id string, req CheckpointRequest) (*Checkpoint, error)
 	Rollback(ctx context.Context, id, checkpoint string) (*Sandbox, error)

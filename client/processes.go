@@ -45,6 +45,11 @@ func (c *Client) Signal(ctx context.Context, id, h string, sig syscall.Signal) e
 	return c.call(ctx, request{method: "POST", path: procPath(id, h, "signal"), body: SignalRequest{Signal: strconv.Itoa(int(sig))}}, nil)
 }
 
+// RemoveProcess deletes the record (output, exit status) of an exited process.
+func (c *Client) RemoveProcess(ctx context.Context, id, h string) error {
+	return c.call(ctx, request{method: "DELETE", path: procPath(id, h)}, nil)
+}
+
 // Wait waits for a process to exit (as long as ctx lasts).
 func (c *Client) Wait(ctx context.Context, id, h string) (*ExitStatus, error) {
 	for {

@@ -102,6 +102,9 @@ type ExecRequest struct {
 	// TimeoutSeconds, for POST .../exec only, kills the process (SIGKILL) after this
 	// long; the end line then says timed_out.
 	TimeoutSeconds float64 `json:"timeout_seconds,omitempty"`
+	// Keep, for POST .../exec only, keeps the process's record (output, exit status)
+	// after the stream's end, for GET .../processes/{handle}; by default it is removed.
+	Keep bool `json:"keep,omitempty"`
 }
 
 // Process is a process started in a sandbox.

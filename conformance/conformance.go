@@ -95,6 +95,10 @@ func run(t *testing.T, h Harness, id string, args ...string) (int, string, strin
 	if err != nil {
 		t.Fatalf("wait %v: %v", args, err)
 	}
+	// As cairn's foreground execs do.
+	if err := h.Engine.RemoveProcess(ctx, id, p); err != nil {
+		t.Fatalf("remove the record of %v: %v", args, err)
+	}
 	return st.Code, out.String(), errb.String()
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
 func testREPLRollback(t *testing.T, h Harness) {
@@ -197,6 +198,55 @@ func testPty(t *testing.T, h Harness) {
 	waitFor("after=first")
 }
 
+// testProcessRecords removes process records: refused while the process runs, gone
+// once removed, and brought back by a rollback to a checkpoint that has it (records are
+// part of the root).
+func testProcessRecords(t *testing.T, h Harness, id string) {
+	ctx := context.Background()
+	p, err := h.Engine.Exec(ctx, id, model.ExecOptions{Args: []string{"sleep", "1000"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Engine.RemoveProcess(ctx, id, p); errdefs.Code(err) != "failed_precondition" {
+		t.Fatalf("remove the record of a running process: %v, want failed_precondition", err)
+	}
+	if pr, err := h.Engine.Process(ctx, id, p); err != nil || !pr.Running {
+		t.Fatalf("running process after a refused removal: %+v %v", pr, err)
+	}
+	if err := h.Engine.Signal(ctx, id, p, 9); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Engine.Wait(ctx, id, p); err != nil {
+		t.Fatal(err)
+	}
+	ck := checkpoint(t, h, id, "with a record")
+	if err := h.Engine.RemoveProcess(ctx, id, p); err != nil {
+		t.Fatalf("remove the record of an exited process: %v", err)
+	}
+	if _, err := h.Engine.Process(ctx, id, p); !errorsIsNotFound(err) {
+		t.Fatalf("process after its removal: %v, want not_found", err)
+	}
+	list, err := h.Engine.Processes(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, pr := range list {
+		if pr.Handle == p {
+			t.Fatalf("removed process %s still listed", p)
+		}
+	}
+	if err := h.Engine.RemoveProcess(ctx, id, p); !errorsIsNotFound(err) {
+		t.Fatalf("second removal: %v, want not_found", err)
+	}
+	if err := h.Engine.RemoveProcess(ctx, id, "../etc"); errdefs.Code(err) != "invalid_argument" {
+		t.Fatalf("removal of a bad handle: %v, want invalid_argument", err)
+	}
+	rollback(t, h, id, ck)
+	if pr, err := h.Engine.Process(ctx, id, p); err != nil || pr.Exit == nil || pr.Exit.Signal != 9 {
+		t.Fatalf("record after a rollback to a checkpoint that has it: %+v %v", pr, err)
+	}
+}
+
 func testExec(t *testing.T, h Harness) {
 	id := sandbox(t, h)
 	code, out, errOut := run(t, h, id, "sh", "-c", "echo out; echo err >&2; exit 7")
@@ -228,6 +278,7 @@ func testExec(t *testing.T, h Harness) {
 	if err != nil || st.Signal != 15 {
 		t.Fatalf("signalled process: %+v %v", st, err)
 	}
+	testProcessRecords(t, h, id)
 	// No egress: only loopback exists.
 	want(t, "interfaces", sh(t, h, id, "ls /sys/class/net 2>/dev/null || cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '"), "lo\n")
 	want(t, "hostname", sh(t, h, id, "hostname"), id+"\n")

@@ -227,6 +227,38 @@ func (e *Engine) Follow(ctx context.Context, id, handle string, stdout, stderr i
 	}
 }
 
+// RemoveProcess deletes the record of an exited process: its spec, output and exit
+// status under /.cairn/proc in the sandbox's root. Records otherwise stay, so that
+// `cairn ps` and `cairn logs` can show them, and each is part of the root: of every
+// checkpoint taken while it exists and of what a rollback brings back in place.
+// Foreground execs remove theirs once the caller has the output and the exit status
+// (a session of thousands of commands would otherwise keep thousands of records, and
+// rollbacks across them would recreate and delete them all). A process still running
+// is refused.
+//
+// The sandbox's init removes it (the sandbox must run), so that a gVisor sentry sees
+// the removal.
+func (e *Engine) RemoveProcess(ctx context.Context, id, handle string) error {
+	sb, unlock, err := e.running(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	dir, err := e.procDir(sb, handle)
+	if err != nil {
+		return err
+	}
+	var ex initctl.ExitStatus
+	if initctl.ReadJSON(filepath.Join(dir, "exit"), &ex) != nil {
+		return errdefs.FailedPrecondition("process %s in sandbox %s has not exited; end it first (`cairn kill %s %s`), then remove it", handle, id, id, handle)
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return err
+	}
+	return b.RemoveRecord(ctx, e.isb(sb), handle)
+}
+
 // Wait waits for a process to exit.
 func (e *Engine) Wait(ctx context.Context, id, handle string) (*initctl.ExitStatus, error) {
 	return e.Follow(ctx, id, handle, nil, nil)

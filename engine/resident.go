@@ -383,8 +383,7 @@ func (e *Engine) rollbackResident(ctx context.Context, r isolation.Resident, sb 
 	}
 	err := r.RollbackResident(ctx, isb, dir, func(ctx context.Context) error {
 		crashPoint("resident-rollback-killed")
-		_, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
-		return err
+		return e.revert(ctx, rv, sb, ck)
 	})
 	if errors.Is(err, isolation.ErrNotResident) {
 		clearRollback(e.cfg.DataDir, sb.ID)
@@ -401,6 +400,19 @@ func (e *Engine) rollbackResident(ctx context.Context, r isolation.Resident, sb 
 	clearRollback(e.cfg.DataDir, sb.ID)
 	e.count(func(st *Stats) { st.ResidentRollbacks++ })
 	return true, nil
+}
+
+// revert brings sb's root back in place to ck's filesystem, and counts what it cost.
+func (e *Engine) revert(ctx context.Context, rv storage.Reverter, sb *model.Sandbox, ck *model.Checkpoint) error {
+	st, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
+	e.count(func(s *Stats) {
+		s.Reverts++
+		s.RevertOps += st.Ops
+		s.RevertSnapshotMS += st.SnapshotMS
+		s.RevertSendMS += st.SendMS
+		s.RevertApplyMS += st.ApplyMS
+	})
+	return err
 }
 
 // rollbackDurable rolls sb back in place to ck, a resident checkpoint made durable whose
@@ -427,8 +439,7 @@ func (e *Engine) rollbackDurable(ctx context.Context, r isolation.Resident, sb *
 	}
 	err := r.RollbackDurable(ctx, e.isb(sb), e.imagesPath(ck.Images), func(ctx context.Context) error {
 		crashPoint("durable-rollback-killed")
-		_, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
-		return err
+		return e.revert(ctx, rv, sb, ck)
 	})
 	if errors.Is(err, isolation.ErrNotResident) {
 		clearRollback(e.cfg.DataDir, sb.ID)

@@ -192,8 +192,9 @@ func TestRollbackInPlace(t *testing.T) {
 	if got := state(); got != "2 file 2" {
 		t.Fatalf("after the rollback through zygotes: %q, want %q", got, "2 file 2")
 	}
-	if st := e.Stats(); st.ResidentRollbacks != 1 {
-		t.Fatalf("rollback to the resident checkpoint: %d through zygotes, want 1", st.ResidentRollbacks)
+	if st := e.Stats(); st.ResidentRollbacks != 1 || st.Reverts != 2 || st.RevertOps == 0 || st.RevertSnapshotMS <= 0 {
+		t.Fatalf("rollback to the resident checkpoint: %d through zygotes, %d reverts of %d operations (snapshots %.1f ms); want 1, 2 and some",
+			st.ResidentRollbacks, st.Reverts, st.RevertOps, st.RevertSnapshotMS)
 	}
 }
 

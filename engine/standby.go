@@ -67,6 +67,15 @@ type Stats struct {
 	DurableCopies     int     `json:"durable_copies"`
 	DurableMS         float64 `json:"durable_ms"`
 	ResidentsEvicted  int     `json:"residents_evicted"`
+	// Reverts counts the roots brought back in place by rollbacks (storage.Reverter),
+	// RevertOps the filesystem operations they applied, and the RevertMS fields the
+	// time of their phases: the snapshot of the live root, computing the difference,
+	// applying it (all on the rollbacks' critical path).
+	Reverts          int     `json:"reverts"`
+	RevertOps        int     `json:"revert_ops"`
+	RevertSnapshotMS float64 `json:"revert_snapshot_ms"`
+	RevertSendMS     float64 `json:"revert_send_ms"`
+	RevertApplyMS    float64 `json:"revert_apply_ms"`
 }
 
 // Since returns the counters accumulated since before was read.
@@ -78,7 +87,10 @@ func (s Stats) Since(before Stats) Stats {
 		CompactionMS: s.CompactionMS - before.CompactionMS, CompactionSavedBytes: s.CompactionSavedBytes - before.CompactionSavedBytes,
 		ResidentRollbacks: s.ResidentRollbacks - before.ResidentRollbacks, InPlaceRestores: s.InPlaceRestores - before.InPlaceRestores,
 		DurableCopies: s.DurableCopies - before.DurableCopies,
-		DurableMS:     s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted}
+		DurableMS:     s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted,
+		Reverts: s.Reverts - before.Reverts, RevertOps: s.RevertOps - before.RevertOps,
+		RevertSnapshotMS: s.RevertSnapshotMS - before.RevertSnapshotMS, RevertSendMS: s.RevertSendMS - before.RevertSendMS,
+		RevertApplyMS: s.RevertApplyMS - before.RevertApplyMS}
 }
 
 // Stats returns the engine's counters.
@@ -170,6 +182,10 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	// their checkpoints run meanwhile.
 	e.prepSem <- struct{}{}
 	defer func() { <-e.prepSem }()
+	// Queued refills outlive checkpoints deleted while they waited: nothing to do.
+	if _, err := e.db.Checkpoint(ctx, ck.ID); errors.Is(err, errdefs.ErrNotFound) {
+		return nil
+	}
 	start := time.Now()
 	sid := newID("s", 11)
 	unlock, err := e.lock(ctx, sid, true)
@@ -179,11 +195,17 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	defer unlock()
 	root := path.Join(standbyDir, sid)
 	if err := e.pool.Snapshot(ctx, ck.FSVolume, root, false); err != nil {
+		if _, err2 := e.db.Checkpoint(ctx, ck.ID); errors.Is(err2, errdefs.ErrNotFound) {
+			return nil // deleted since the check above
+		}
 		return err
 	}
 	isb := &isolation.Sandbox{ID: sid, Hostname: sid, Root: e.pool.Path(root), Limits: limits, Cgroup: sid}
 	if err := fr.RestoreFrozen(ctx, isb, e.imagesPath(ck.Images)); err != nil {
 		e.pool.Delete(context.WithoutCancel(ctx), root)
+		if _, err2 := e.db.Checkpoint(ctx, ck.ID); errors.Is(err2, errdefs.ErrNotFound) {
+			return nil // its images went with it
+		}
 		return fmt.Errorf("standby of %s: %w", ck.ID, err)
 	}
 	// The cache is bounded by the memory standbys hold; the images' size on disk says

@@ -150,6 +150,9 @@ type Backend interface {
 	Signal(ctx context.Context, sb *Sandbox, handle string, sig syscall.Signal) error
 	// WriteStdin writes data to the process's stdin, then closes it if eof.
 	WriteStdin(ctx context.Context, sb *Sandbox, handle string, data []byte, eof bool) error
+	// RemoveRecord deletes the record of a process that has exited (its directory under
+	// /.cairn/proc), from inside the running sandbox.
+	RemoveRecord(ctx context.Context, sb *Sandbox, handle string) error
 	// Checkpoint freezes the sandbox, calls hooks.Frozen, dumps the process tree into
 	// dir (which exists and is empty) and thaws. On error the sandbox runs on unchanged.
 	Checkpoint(ctx context.Context, sb *Sandbox, dir string, hooks Hooks) error

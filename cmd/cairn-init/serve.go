@@ -107,6 +107,8 @@ func (s *server) do(req *initctl.Request) (int, error) {
 		return s.spawn(req.Handle, req.Spec)
 	case initctl.OpReload:
 		return os.Getpid(), s.reload()
+	case initctl.OpRemove:
+		return 0, s.remove(req.Handle)
 	}
 	s.mu.Lock()
 	p := s.byHandle[req.Handle]
@@ -140,6 +142,20 @@ func (s *server) do(req *initctl.Request) (int, error) {
 		return p.pid, setWinsize(int(p.master.Fd()), req.Rows, req.Cols)
 	}
 	return 0, fmt.Errorf("unknown op %q", req.Op)
+}
+
+// remove deletes the record of a process that is not running.
+func (s *server) remove(handle string) error {
+	if !initctl.ValidHandle(handle) {
+		return fmt.Errorf("bad handle %q", handle)
+	}
+	s.mu.Lock()
+	running := s.byHandle[handle] != nil
+	s.mu.Unlock()
+	if running {
+		return fmt.Errorf("process %s is running", handle)
+	}
+	return os.RemoveAll(filepath.Join(base, initctl.ProcDir, handle))
 }
 
 func (s *server) spawn(handle string, spec *initctl.ProcSpec) (pid int, err error) {

@@ -260,6 +260,25 @@ func scenario(t *testing.T) string {
 	if got := waitStdout(t, id, p, func(s string) bool { return strings.HasSuffix(s, "\n") }); got != "41\n" {
 		t.Fatalf("x after rollback: stdout %q, want \"41\\n\"", got)
 	}
+	// Foreground execs remove their records (unless --keep); ps --prune the others.
+	ok(t, "exec", "--keep", id, "--", "true")
+	type proc struct {
+		Handle string          `json:"handle"`
+		Exit   json.RawMessage `json:"exit"`
+	}
+	var ps, pruned []proc
+	decodeOne(t, ok(t, "--json", "ps", id).stdout, &ps)
+	if len(ps) != 2 || ps[0].Handle != p || ps[1].Exit == nil {
+		t.Fatalf("ps after foreground execs and one exec --keep: %+v; want the REPL %s and the kept one", ps, p)
+	}
+	decodeOne(t, ok(t, "--json", "ps", "--prune", id).stdout, &pruned)
+	if len(pruned) != 1 || pruned[0].Handle != ps[1].Handle {
+		t.Fatalf("ps --prune removed %+v, want %s", pruned, ps[1].Handle)
+	}
+	decodeOne(t, ok(t, "--json", "ps", id).stdout, &ps)
+	if len(ps) != 1 || ps[0].Handle != p {
+		t.Fatalf("ps after --prune: %+v, want only the REPL %s", ps, p)
+	}
 	prewarm(t)
 	forks := ok(t, "fork", c1, "--count", "2").lines()
 	if len(forks) != 2 || !idRE.MatchString(forks[0]) || !idRE.MatchString(forks[1]) || forks[0] == forks[1] {

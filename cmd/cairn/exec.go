@@ -19,9 +19,9 @@ import (
 )
 
 type execFlags struct {
-	detach, tty, interactive bool
-	env                      []string
-	cwd                      string
+	detach, tty, interactive, keep bool
+	env                            []string
+	cwd                            string
 }
 
 func newExecCmd(a *app) *cobra.Command {
@@ -35,7 +35,9 @@ In the foreground (the default) the command's standard output and error are stre
 to cairn's, and cairn exits with the command's exit code (128+N if killed by signal
 N). The command's standard input is empty unless -i is given, in which case cairn's
 standard input is copied to it and closed at end of input. Interrupting cairn sends
-SIGTERM to the command.
+SIGTERM to the command. Once it has exited and its output is shown, its record
+(output, exit status) is removed from the sandbox; --keep keeps it for ` + "`cairn ps`" + `
+and ` + "`cairn logs`" + ` (records are part of the sandbox's root, so of every checkpoint).
 
 With -d the command is started in the background and its process handle is printed as
 the last line of standard output. Its standard input stays open: write to it with
@@ -74,7 +76,7 @@ record.`,
 			if fl.detach {
 				return execDetached(a, cmd, e, args[0], opts)
 			}
-			return execForeground(a, cmd, e, args[0], opts, fl.interactive)
+			return execForeground(a, cmd, e, args[0], opts, fl.interactive, fl.keep)
 		},
 	}
 	f := cmd.Flags()
@@ -82,6 +84,7 @@ record.`,
 	f.BoolVarP(&fl.detach, "detach", "d", false, "start in the background and print the process handle")
 	f.BoolVarP(&fl.tty, "tty", "t", false, "run the command on a pseudo-terminal")
 	f.BoolVarP(&fl.interactive, "interactive", "i", false, "copy cairn's standard input to the command (foreground)")
+	f.BoolVar(&fl.keep, "keep", false, "keep the record of a foreground command (output, exit status) after it exits")
 	f.StringArrayVarP(&fl.env, "env", "e", nil, "environment variable K=V, or K to copy cairn's value (repeatable)")
 	f.StringVarP(&fl.cwd, "workdir", "w", "", "working directory inside the sandbox")
 	return cmd
@@ -116,8 +119,9 @@ func execDetached(a *app, cmd *cobra.Command, e client.Backend, id string, opts 
 }
 
 // execForeground starts the process, gives it cairn's standard input (interactive) or
-// an empty one, and follows its output to its exit.
-func execForeground(a *app, cmd *cobra.Command, e client.Backend, id string, opts client.ExecRequest, interactive bool) error {
+// an empty one, and follows its output to its exit; its record is then removed unless
+// keep.
+func execForeground(a *app, cmd *cobra.Command, e client.Backend, id string, opts client.ExecRequest, interactive, keep bool) error {
 	ctx := cmd.Context()
 	p, err := e.Spawn(ctx, id, opts)
 	if err != nil {
@@ -146,6 +150,11 @@ func execForeground(a *app, cmd *cobra.Command, e client.Backend, id string, opt
 			return stopProcess(ctx, e, id, h)
 		}
 		return err
+	}
+	if !keep {
+		// Housekeeping: a record left behind only costs room, so a failure is not the
+		// command's.
+		e.RemoveProcess(ctx, id, h)
 	}
 	if a.json {
 		doc := map[string]any{"handle": h, "exit_code": st.Code}

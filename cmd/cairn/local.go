@@ -99,6 +99,10 @@ func (l local) Stdin(ctx context.Context, id, h string, data []byte, eof bool) e
 	return l.e.Stdin(ctx, id, h, data, eof)
 }
 
+func (l local) RemoveProcess(ctx context.Context, id, h string) error {
+	return l.e.RemoveProcess(ctx, id, h)
+}
+
 func (l local) Signal(ctx context.Context, id, h string, sig syscall.Signal) error {
 	return l.e.Signal(ctx, id, h, sig)
 }

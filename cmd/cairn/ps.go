@@ -13,22 +13,43 @@ import (
 )
 
 func newPsCmd(a *app) *cobra.Command {
-	return &cobra.Command{
-		Use:   "ps SANDBOX",
+	var prune bool
+	cmd := &cobra.Command{
+		Use:   "ps [flags] SANDBOX",
 		Short: "List the processes started in a sandbox",
 		Long: `Ps lists the processes started in a sandbox with ` + "`cairn exec`" + `, oldest first:
 handle, pid (inside the sandbox), status (running, exited N, or killed by a signal),
-age and command line. After a rollback it shows the processes as of the checkpoint.`,
-		Example: "  cairn ps $id\n  cairn ps --json $id",
+age and command line. After a rollback it shows the processes as of the checkpoint.
+
+A process's record (its output and exit status) stays after it exits: those of
+foreground execs are removed when the exec returns (unless ` + "`exec --keep`" + `), those of
+` + "`exec -d`" + ` until --prune removes the records of every exited process (and lists
+them). Records are files of the sandbox's root: checkpoints hold them, rollbacks
+bring them back.`,
+		Example: "  cairn ps $id\n  cairn ps --json $id\n  cairn ps --prune $id",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			e, err := a.backend(cmd.Context())
+			ctx := cmd.Context()
+			e, err := a.backend(ctx)
 			if err != nil {
 				return err
 			}
-			ps, err := e.Processes(cmd.Context(), args[0])
+			ps, err := e.Processes(ctx, args[0])
 			if err != nil {
 				return err
+			}
+			if prune {
+				var gone []*model.Process
+				for _, p := range ps {
+					if p.Exit == nil {
+						continue
+					}
+					if err := e.RemoveProcess(ctx, args[0], p.Handle); err != nil {
+						return err
+					}
+					gone = append(gone, p)
+				}
+				ps = gone
 			}
 			if ps == nil {
 				ps = []*model.Process{}
@@ -42,6 +63,8 @@ age and command line. After a rollback it shows the processes as of the checkpoi
 			})
 		},
 	}
+	cmd.Flags().BoolVar(&prune, "prune", false, "remove the records of the exited processes, and list those")
+	return cmd
 }
 
 // procStatus renders a process's state: "running", "exited 0", "killed (SIGKILL)".

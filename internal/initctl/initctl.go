@@ -62,6 +62,11 @@ const (
 	// process with a spec and no exit record that is alive and init's child. A rollback
 	// in place sends it once the checkpoint's processes are forked again.
 	OpReload = "reload"
+	// OpRemove deletes the record (the directory under ProcDir) of a process that is
+	// not running. Done by init, inside the sandbox: under gVisor the sentry caches what
+	// it has seen of the root, and a checkpoint of it refers to files removed behind its
+	// back, which its restore then cannot find.
+	OpRemove = "remove"
 )
 
 // StdinClosed is the marker file of a process whose stdin the host closed.

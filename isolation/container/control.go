@@ -96,6 +96,18 @@ func (b *Backend) Signal(ctx context.Context, sb *isolation.Sandbox, handle stri
 	return resp.Err(sb.ID, "signal "+handle)
 }
 
+// RemoveRecord implements isolation.Backend: init removes it (initctl.OpRemove).
+func (b *Backend) RemoveRecord(ctx context.Context, sb *isolation.Sandbox, handle string) error {
+	if !initctl.ValidHandle(handle) {
+		return errdefs.InvalidArgument("bad process handle %q", handle)
+	}
+	resp, err := b.call(ctx, sb, initctl.Request{Op: initctl.OpRemove, Handle: handle})
+	if err != nil {
+		return err
+	}
+	return resp.Err(sb.ID, "remove the record of "+handle)
+}
+
 // WriteStdin implements isolation.Backend. The data goes straight into the process's
 // stdin FIFO inside the sandbox root; init holds the FIFO open, so a reader exists.
 func (b *Backend) WriteStdin(ctx context.Context, sb *isolation.Sandbox, handle string, data []byte, eof bool) error {

@@ -437,6 +437,7 @@ class Sandbox:
     def run(self, cmd: Command, *, timeout: Optional[float] = None,
             env: Union[Mapping[str, str], Sequence[str], None] = None, cwd: Optional[str] = None,
             stdin: Optional[str] = None, tty: bool = False, check: bool = False,
+            keep: bool = False,
             on_stdout: Optional[Callable[[str], Any]] = None,
             on_stderr: Optional[Callable[[str], Any]] = None) -> RunResult:
         """Run a command to its end and return its :class:`RunResult` (``exit_code``,
@@ -455,6 +456,8 @@ class Sandbox:
                 empty standard input).
             tty: run on a pseudo-terminal (stderr then goes to stdout).
             check: raise :class:`CommandFailed` if the exit status is not 0.
+            keep: keep the process's record (output, exit status) in the sandbox after
+                its end, for :meth:`process` (by default the daemon removes it).
 
         Interrupting the call (or losing the connection) kills the process.
         """
@@ -468,6 +471,8 @@ class Sandbox:
             body["tty"] = True
         if stdin:
             body["stdin"] = stdin
+        if keep:
+            body["keep"] = True
         if timeout is not None:
             if timeout <= 0:
                 raise InvalidArgument("timeout=%r: give a positive number of seconds" % timeout, status=None)
@@ -733,6 +738,11 @@ class Process:
     def terminate(self) -> None:
         """Ask the process to end (SIGTERM)."""
         self.signal("TERM")
+
+    def remove(self) -> None:
+        """Remove the record of the exited process (its output and exit status) from the
+        sandbox; :class:`FailedPrecondition` while it runs."""
+        self._t.call("DELETE", self._path())
 
     def wait(self, timeout: Optional[float] = None) -> ExitStatus:
         """Wait for the process to exit and return its :class:`ExitStatus`; raise

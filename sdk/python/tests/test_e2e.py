@@ -396,6 +396,15 @@ class TestAPI(E2E):
             cat.close_stdin()
             self.assertEqual(cat.wait(timeout=30).code, 0)
             self.assertEqual(cat.read_bytes(), b"a line\n\x00bytes\n")
+            # records: run() removes its own unless keep=True; remove() the others
+            handles = [x.handle for x in sb.processes()]
+            self.assertNotIn(r.handle, handles)
+            kept = sb.run("true", keep=True)
+            self.assertIn(kept.handle, [x.handle for x in sb.processes()])
+            with self.assertRaises(cairn.FailedPrecondition):
+                sb.spawn("sleep 300").remove()
+            cat.remove()
+            self.assertNotIn(cat.handle, [x.handle for x in sb.processes()])
 
             # files
             fi = sb.files.write("/opt/x/run.sh", "#!/bin/sh\necho ran\n", mode=0o755)
