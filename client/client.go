@@ -98,6 +98,15 @@ func (c *Client) init() error {
 	return c.err
 }
 
+// Close closes the client's idle connections to the daemon (each holds a descriptor and a
+// goroutine there). The client stays usable: a later call connects again.
+func (c *Client) Close() error {
+	if c.init() == nil {
+		c.hc.CloseIdleConnections()
+	}
+	return nil
+}
+
 // Error is an error response of the daemon (an RFC 9457 problem). It unwraps to the
 // errdefs class of its Code.
 type Error struct {
