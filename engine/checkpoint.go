@@ -267,6 +267,8 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	// A crash from here on leaves the mark (resident.go); a completed rollback clears it.
 	defer clearRollback(e.cfg.DataDir, id)
 	e.touch(id)
+	// Records being removed in the background show again as the checkpoint has them.
+	defer e.unhide(id)
 	// Fastest path: the checkpoint is resident in this very sandbox; next, it was and its
 	// images go back into the sandbox's running init, which keeps the others resident.
 	if r, ok := e.residentOf(b); ok && sb.State == model.StateRunning {

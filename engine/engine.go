@@ -108,6 +108,9 @@ type Engine struct {
 	images *imagesGuard
 	// durable queues the durable copies of resident checkpoints (resident.go).
 	durable durableState
+	// removing holds, by sandbox, the process records whose removal runs in the
+	// background (exec.go); protected by bgMu.
+	removing map[string]map[string]bool
 }
 
 // Open opens (creating on first use) the data directory and its pool.

@@ -13,6 +13,7 @@ import (
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/internal/initctl"
+	"github.com/cairn-sandbox/cairn/isolation"
 )
 
 // running returns a running sandbox (shared lock held until release is called).
@@ -61,7 +62,7 @@ func (e *Engine) procDir(sb *model.Sandbox, handle string) (string, error) {
 		return "", errdefs.InvalidArgument("%q is not a process handle", handle)
 	}
 	dir := filepath.Join(e.pool.Path(sb.Root), initctl.Dir, initctl.ProcDir, handle)
-	if _, err := os.Stat(dir); err != nil {
+	if _, err := os.Stat(dir); err != nil || e.hidden(sb.ID, handle) {
 		return "", errdefs.NotFound("process %s in sandbox %s (list them with `cairn ps %s`)", handle, sb.ID, sb.ID)
 	}
 	return dir, nil
@@ -114,6 +115,9 @@ func (e *Engine) Processes(ctx context.Context, id string) ([]*model.Process, er
 	}
 	var out []*model.Process
 	for _, d := range entries {
+		if e.hidden(sb.ID, d.Name()) {
+			continue
+		}
 		if p := readProcess(sb, filepath.Join(dir, d.Name())); p != nil {
 			out = append(out, p)
 		}
@@ -237,7 +241,9 @@ func (e *Engine) Follow(ctx context.Context, id, handle string, stdout, stderr i
 // is refused.
 //
 // The sandbox's init removes it (the sandbox must run), so that a gVisor sentry sees
-// the removal.
+// the removal. Where each call to init is costly (isolation.CostlyCalls: gVisor) it
+// does so in the background, and the record is hidden meanwhile; a rollback shows what
+// its checkpoint has again.
 func (e *Engine) RemoveProcess(ctx context.Context, id, handle string) error {
 	sb, unlock, err := e.running(ctx, id)
 	if err != nil {
@@ -256,7 +262,52 @@ func (e *Engine) RemoveProcess(ctx context.Context, id, handle string) error {
 	if err != nil {
 		return err
 	}
-	return b.RemoveRecord(ctx, e.isb(sb), handle)
+	if c, ok := b.(isolation.CostlyCalls); !ok || !c.CostlyCalls() {
+		return b.RemoveRecord(ctx, e.isb(sb), handle)
+	}
+	e.bgMu.Lock()
+	if e.removing == nil {
+		e.removing = map[string]map[string]bool{}
+	}
+	if e.removing[id] == nil {
+		e.removing[id] = map[string]bool{}
+	}
+	e.removing[id][handle] = true
+	e.bgMu.Unlock()
+	e.bgWG.Add(1)
+	go func() {
+		defer e.bgWG.Done()
+		ctx := context.WithoutCancel(ctx)
+		if sb, unlock, err := e.running(ctx, id); err == nil {
+			// Not if a rollback came first: the record is its checkpoint's.
+			if e.hidden(id, handle) {
+				b.RemoveRecord(ctx, e.isb(sb), handle)
+			}
+			unlock()
+		}
+		e.bgMu.Lock()
+		delete(e.removing[id], handle)
+		if len(e.removing[id]) == 0 {
+			delete(e.removing, id)
+		}
+		e.bgMu.Unlock()
+	}()
+	return nil
+}
+
+// hidden reports whether the record of handle in sandbox id is being removed.
+func (e *Engine) hidden(id, handle string) bool {
+	e.bgMu.Lock()
+	defer e.bgMu.Unlock()
+	return e.removing[id][handle]
+}
+
+// unhide shows sandbox id's records as they are on disk again (after a rollback: its
+// checkpoint's).
+func (e *Engine) unhide(id string) {
+	e.bgMu.Lock()
+	delete(e.removing, id)
+	e.bgMu.Unlock()
 }
 
 // Wait waits for a process to exit.

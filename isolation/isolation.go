@@ -163,3 +163,10 @@ type Backend interface {
 	// Running reports whether sb.Init is alive.
 	Running(sb *Sandbox) bool
 }
+
+// CostlyCalls is implemented by backends whose every call into a sandbox starts a
+// program on the host (gVisor: a runsc exec, ~30-100 ms): the engine takes the calls it
+// can off the caller's path (the removal of a process record after a foreground exec).
+type CostlyCalls interface {
+	CostlyCalls() bool
+}

@@ -81,6 +81,11 @@ func (b *Backend) Signal(ctx context.Context, sb *isolation.Sandbox, handle stri
 	return resp.Err(sb.ID, "signal "+signalName(sig)+" to "+handle)
 }
 
+// CostlyCalls implements isolation.CostlyCalls: each call to init is a runsc exec.
+func (b *Backend) CostlyCalls() bool { return true }
+
+var _ isolation.CostlyCalls = (*Backend)(nil)
+
 // RemoveRecord implements isolation.Backend: init removes it (initctl.OpRemove).
 func (b *Backend) RemoveRecord(ctx context.Context, sb *isolation.Sandbox, handle string) error {
 	if !initctl.ValidHandle(handle) {
