@@ -59,6 +59,7 @@ func (r *Report) Print(w io.Writer) {
 	if st.Compactions > 0 {
 		fmt.Fprintf(w, "images compacted against their parent's: %d, %.0f ms each on average\n", st.Compactions, st.CompactionMS/float64(st.Compactions))
 	}
+	printResident(w, "", st)
 	s := r.StorageBytesPerCheckpoint
 	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s; dumped on the critical path: p50 %s)\n",
 		mib(s.P50), mib(s.P95), mib(s.P99), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50), mib(r.DumpedImageBytesPerCheckpoint.P50))
@@ -71,6 +72,29 @@ func (r *Report) Print(w io.Writer) {
 	r.printBaselines(w)
 	r.printBackends(w)
 	r.printSearch(w)
+}
+
+// printResident writes where resident checkpoints' rollbacks went and what their roots'
+// reverts cost, if any.
+func printResident(w io.Writer, indent string, st engineStats) {
+	if st.ResidentRollbacks+st.InPlaceRestores+st.DurableCopies == 0 {
+		return
+	}
+	fmt.Fprintf(w, "%sresident checkpoints: %d rollbacks through zygotes, %d restored in place; %d durable copies (%.0f ms each), %d evicted\n",
+		indent, st.ResidentRollbacks, st.InPlaceRestores, st.DurableCopies, per(st.DurableMS, st.DurableCopies), st.ResidentsEvicted)
+	if st.Reverts > 0 {
+		n := float64(st.Reverts)
+		fmt.Fprintf(w, "%sroots reverted in place: %d, on average %.0f operations: snapshot of the live root %.1f ms, difference %.1f ms, apply %.1f ms\n",
+			indent, st.Reverts, float64(st.RevertOps)/n, st.RevertSnapshotMS/n, st.RevertSendMS/n, st.RevertApplyMS/n)
+	}
+}
+
+// per is total / n, 0 when n is.
+func per(total float64, n int) float64 {
+	if n == 0 {
+		return 0
+	}
+	return total / float64(n)
 }
 
 func perPrepared(st engineStats) float64 {
@@ -89,6 +113,7 @@ func (r *Report) printSearch(w io.Writer) {
 		fmt.Fprintf(w, "  checkpoint p50/p95/p99 %.1f/%.1f/%.1f ms, rollback %.1f/%.1f/%.1f ms; standbys taken %d, misses %d\n",
 			x.CheckpointMS.P50, x.CheckpointMS.P95, x.CheckpointMS.P99, x.RollbackMS.P50, x.RollbackMS.P95, x.RollbackMS.P99,
 			x.Standby.StandbysClaimed, x.Standby.StandbyMisses)
+		printResident(w, "  ", x.Standby)
 	}
 	if r.W3 != nil {
 		x := r.W3
