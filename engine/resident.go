@@ -151,18 +151,15 @@ func (e *Engine) durableLater(id string) {
 				id := d.queue[0]
 				d.queue = d.queue[1:]
 				d.mu.Unlock()
-				if ck, err := e.db.Checkpoint(ctx, id); err == nil {
+				ck, err := e.db.Checkpoint(ctx, id)
+				if err == nil {
 					e.quiet(ck.SandboxID)
-				}
-				sandbox := ""
-				if ck, err := e.db.Checkpoint(ctx, id); err == nil {
-					sandbox = ck.SandboxID
 				}
 				if err := e.makeDurable(ctx, id); err != nil {
 					e.cfg.Logf("durable copy of checkpoint %s: %v", id, err)
 				}
-				if sandbox != "" {
-					e.evictResidents(ctx, sandbox)
+				if ck != nil {
+					e.evictResidents(ctx, ck.SandboxID)
 				}
 				d.mu.Lock()
 				delete(d.queued, id)
@@ -369,50 +366,19 @@ func (e *Engine) rollbackResident(ctx context.Context, r isolation.Resident, sb 
 	if ck.Method != methodZygote && ck.Method != methodZygoteImages {
 		return false, nil
 	}
-	rv, ok := e.pool.(storage.Reverter)
-	if !ok {
-		return false, nil
-	}
 	isb := e.isb(sb)
 	dir := e.imagesPath(ck.Images)
 	if !r.IsResident(isb, dir) {
 		return false, nil
 	}
-	if err := markRollback(e.cfg.DataDir, sb.ID, ck.ID); err != nil {
-		return false, err
-	}
-	err := r.RollbackResident(ctx, isb, dir, func(ctx context.Context) error {
-		crashPoint("resident-rollback-killed")
-		return e.revert(ctx, rv, sb, ck)
-	})
-	if errors.Is(err, isolation.ErrNotResident) {
-		clearRollback(e.cfg.DataDir, sb.ID)
-		return false, nil
-	}
-	if err != nil {
-		return false, err
-	}
-	crashPoint("resident-rollback-spawned")
-	sb.Head = ck.ID
-	if err := e.db.PutSandbox(ctx, sb); err != nil {
-		return false, err
-	}
-	clearRollback(e.cfg.DataDir, sb.ID)
-	e.count(func(st *Stats) { st.ResidentRollbacks++ })
-	return true, nil
-}
-
-// revert brings sb's root back in place to ck's filesystem, and counts what it cost.
-func (e *Engine) revert(ctx context.Context, rv storage.Reverter, sb *model.Sandbox, ck *model.Checkpoint) error {
-	st, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
-	e.count(func(s *Stats) {
-		s.Reverts++
-		s.RevertOps += st.Ops
-		s.RevertSnapshotMS += st.SnapshotMS
-		s.RevertSendMS += st.SendMS
-		s.RevertApplyMS += st.ApplyMS
-	})
-	return err
+	return e.rollbackInPlace(ctx, sb, ck, "resident-rollback-killed", func(st *Stats) { st.ResidentRollbacks++ },
+		func(revert func(context.Context) error) error {
+			if err := r.RollbackResident(ctx, isb, dir, revert); err != nil {
+				return err
+			}
+			crashPoint("resident-rollback-spawned")
+			return nil
+		})
 }
 
 // rollbackDurable rolls sb back in place to ck, a resident checkpoint made durable whose
@@ -427,19 +393,39 @@ func (e *Engine) rollbackDurable(ctx context.Context, r isolation.Resident, sb *
 	if ck.Method != methodZygoteImages {
 		return false, nil
 	}
+	if res, err := e.residentsOf(ctx, sb, r); err != nil || len(res) == 0 {
+		return false, err
+	}
+	return e.rollbackInPlace(ctx, sb, ck, "durable-rollback-killed", func(st *Stats) { st.InPlaceRestores++ },
+		func(revert func(context.Context) error) error {
+			return r.RollbackDurable(ctx, e.isb(sb), e.imagesPath(ck.Images), revert)
+		})
+}
+
+// rollbackInPlace is what the two rollbacks in place share: the mark a crash leaves
+// (recovered below), the revert of the root that run calls once sb's processes are
+// killed (killed names its crash point), and sb's new head. It returns false, with
+// nothing done, when run says isolation.ErrNotResident.
+func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *model.Checkpoint, killed string,
+	counted func(*Stats), run func(revert func(context.Context) error) error) (bool, error) {
 	rv, ok := e.pool.(storage.Reverter)
 	if !ok {
 		return false, nil
 	}
-	if res, err := e.residentsOf(ctx, sb, r); err != nil || len(res) == 0 {
-		return false, err
-	}
 	if err := markRollback(e.cfg.DataDir, sb.ID, ck.ID); err != nil {
 		return false, err
 	}
-	err := r.RollbackDurable(ctx, e.isb(sb), e.imagesPath(ck.Images), func(ctx context.Context) error {
-		crashPoint("durable-rollback-killed")
-		return e.revert(ctx, rv, sb, ck)
+	err := run(func(ctx context.Context) error {
+		crashPoint(killed)
+		st, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
+		e.count(func(s *Stats) {
+			s.Reverts++
+			s.RevertOps += st.Ops
+			s.RevertSnapshotMS += st.SnapshotMS
+			s.RevertSendMS += st.SendMS
+			s.RevertApplyMS += st.ApplyMS
+		})
+		return err
 	})
 	if errors.Is(err, isolation.ErrNotResident) {
 		clearRollback(e.cfg.DataDir, sb.ID)
@@ -453,7 +439,7 @@ func (e *Engine) rollbackDurable(ctx context.Context, r isolation.Resident, sb *
 		return false, err
 	}
 	clearRollback(e.cfg.DataDir, sb.ID)
-	e.count(func(st *Stats) { st.InPlaceRestores++ })
+	e.count(counted)
 	return true, nil
 }
 

@@ -188,15 +188,7 @@ func (b *Backend) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, di
 	if !b.Running(sb) {
 		return fmt.Errorf("%w: sandbox %s is not running", isolation.ErrNotResident, sb.ID)
 	}
-	if err := killAllButInit(sb); err != nil {
-		return err
-	}
-	if err := revert(ctx); err != nil {
-		return fmt.Errorf("revert the root of %s: %w", sb.ID, err)
-	}
-	// A CRIU dumping a zygote of the sandbox in the background starts processes in its
-	// namespace, which could take a PID to restore.
-	release, err := holdCRIU(sb.CgroupName())
+	release, err := killAndRevert(ctx, sb, revert)
 	if err != nil {
 		return err
 	}

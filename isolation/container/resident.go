@@ -215,24 +215,13 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	if err != nil {
 		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
 	}
-	// Init records each death before it reaps the process (cmd/cairn-init reap): once
-	// their PIDs are gone, nothing more is written for them, and the revert removes what
-	// was.
-	if err := killAllButInit(sb); err != nil {
-		return err
-	}
-	if err := revert(ctx); err != nil {
-		return fmt.Errorf("revert the root of %s: %w", sb.ID, err)
-	}
-	// Init is frozen while the processes are forked: its Go runtime starts threads
-	// whenever it likes, and each takes the next PID of the namespace. So is a CRIU
-	// dumping a zygote of the sandbox from inside, in the background, which starts
-	// processes in the namespace too.
-	release, err := holdCRIU(sb.CgroupName())
+	release, err := killAndRevert(ctx, sb, revert)
 	if err != nil {
 		return err
 	}
 	defer release()
+	// Init is frozen while the processes are forked: its Go runtime starts threads
+	// whenever it likes, and each takes the next PID of the namespace.
 	if err := freeze(sb.CgroupName()); err != nil {
 		return err
 	}
@@ -255,6 +244,23 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		return err
 	}
 	return zygote.Release(pids, filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"))
+}
+
+// killAndRevert begins a rollback in place: it kills every process of sb but init,
+// reverts its root, and holds a CRIU dumping a zygote of sb from inside (in the
+// background: it starts processes in the namespace, which could take a PID to give
+// back) until release.
+func killAndRevert(ctx context.Context, sb *isolation.Sandbox, revert func(context.Context) error) (release func(), err error) {
+	// Init records each death before it reaps the process (cmd/cairn-init reap): once
+	// their PIDs are gone, nothing more is written for them, and the revert removes what
+	// was.
+	if err := killAllButInit(sb); err != nil {
+		return nil, err
+	}
+	if err := revert(ctx); err != nil {
+		return nil, fmt.Errorf("revert the root of %s: %w", sb.ID, err)
+	}
+	return holdCRIU(sb.CgroupName())
 }
 
 // killAllButInit kills every process of the sandbox but init (its zygotes are not in its
