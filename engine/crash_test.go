@@ -191,16 +191,8 @@ func rewriteCrashChild(t *testing.T, name string) {
 	// The CRIU path's images: every checkpoint a dump of the tree (no zygotes).
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, -1 })
 	ctx := context.Background()
-	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	fmt.Printf("crash-child sandbox %s\ncrash-child process %s\n", sb.ID, p)
-	r := &repl{t: t, e: e, sb: sb.ID, p: p}
+	sb, r := newREPL(t, e, false)
+	fmt.Printf("crash-child sandbox %s\ncrash-child process %s\n", sb.ID, r.p)
 	r.ask("import hashlib\nd = {}\nb = bytearray(16 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
 	var cks []*model.Checkpoint
 	for k := 1; k <= 3; k++ {

@@ -21,16 +21,7 @@ func TestIncrementalImages(t *testing.T) {
 	// The CRIU path's images: every checkpoint a dump of the tree (no zygotes).
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, -1 })
 	ctx := context.Background()
-	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { e.Remove(context.Background(), sb.ID) })
-	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &repl{t: t, e: e, sb: sb.ID, p: p}
+	sb, r := newREPL(t, e, true)
 	r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
 	state := func() string { return r.ask("print(step, hashlib.sha256(b).hexdigest())") }
 
@@ -105,6 +96,25 @@ func TestIncrementalImages(t *testing.T) {
 }
 
 // repl drives a Python REPL in a sandbox.
+// newREPL creates a container sandbox running a Python REPL (python3 -i -u), removed at
+// the end of the test if remove.
+func newREPL(t *testing.T, e *engine.Engine, remove bool) (*model.Sandbox, *repl) {
+	t.Helper()
+	ctx := context.Background()
+	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if remove {
+		t.Cleanup(func() { e.Remove(context.Background(), sb.ID) })
+	}
+	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sb, &repl{t: t, e: e, sb: sb.ID, p: p}
+}
+
 type repl struct {
 	t     *testing.T
 	e     *engine.Engine

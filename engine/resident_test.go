@@ -23,16 +23,7 @@ import (
 func TestResidentImages(t *testing.T) {
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
 	ctx := context.Background()
-	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { e.Remove(context.Background(), sb.ID) })
-	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &repl{t: t, e: e, sb: sb.ID, p: p}
+	sb, r := newREPL(t, e, true)
 	r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
 	state := func(r *repl) string { return r.ask("print(step, hashlib.sha256(b).hexdigest())") }
 	const steps = 3
@@ -90,7 +81,7 @@ func TestResidentImages(t *testing.T) {
 			t.Fatalf("fork of checkpoint %d: %v", k+1, err)
 		}
 		t.Cleanup(func() { e.Remove(context.Background(), kids[0].ID) })
-		kr := &repl{t: t, e: e, sb: kids[0].ID, p: p}
+		kr := &repl{t: t, e: e, sb: kids[0].ID, p: r.p}
 		if got := state(kr); got != states[k] {
 			t.Fatalf("fork of checkpoint %d: %s, want %s", k+1, got, states[k])
 		}
@@ -130,16 +121,7 @@ func TestResidentImages(t *testing.T) {
 func TestRollbackInPlace(t *testing.T) {
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, 1 })
 	ctx := context.Background()
-	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { e.Remove(context.Background(), sb.ID) })
-	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := &repl{t: t, e: e, sb: sb.ID, p: p}
+	sb, r := newREPL(t, e, true)
 	state := func() string {
 		return r.ask("print(x, open('/f').read().strip())")
 	}
@@ -247,16 +229,8 @@ func TestRollbackInPlaceCrash(t *testing.T) {
 func inPlaceCrashChild(t *testing.T) {
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, 1 })
 	ctx := context.Background()
-	sb, err := e.Create(ctx, model.CreateOptions{Isolation: "container"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"python3", "-i", "-u"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	fmt.Printf("crash-child sandbox %s\ncrash-child process %s\n", sb.ID, p)
-	r := &repl{t: t, e: e, sb: sb.ID, p: p}
+	sb, r := newREPL(t, e, false)
+	fmt.Printf("crash-child sandbox %s\ncrash-child process %s\n", sb.ID, r.p)
 	var cks []*model.Checkpoint
 	for k := 1; k <= 2; k++ {
 		r.ask(fmt.Sprintf("x = %d\nopen('/f', 'w').write('file %d')", k, k))
