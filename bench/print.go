@@ -98,10 +98,7 @@ func per(total float64, n int) float64 {
 }
 
 func perPrepared(st engineStats) float64 {
-	if st.StandbysPrepared == 0 {
-		return 0
-	}
-	return st.StandbyPrepareMS / float64(st.StandbysPrepared)
+	return per(st.StandbyPrepareMS, st.StandbysPrepared)
 }
 
 // printSearch writes the W2 and W3 results, if any.
