@@ -26,7 +26,11 @@ type BackendReport struct {
 	CreateMS     Stats  `json:"create_ms"`
 	// CheckpointPhasesP50MS is where a checkpoint's time goes: the median of each phase
 	// the engine and the backend report (sync, freeze, dump, fs_snapshot, thaw, publish).
-	CheckpointPhasesP50MS     map[string]float64 `json:"checkpoint_phases_p50_ms"`
+	CheckpointPhasesP50MS map[string]float64 `json:"checkpoint_phases_p50_ms"`
+	// RollbackPhasesP50MS is the same for W1's rollbacks (lock, lookup, kill,
+	// revert_snapshot, revert_send, revert_apply, spawn, reload, ...); a phase a
+	// rollback's path did not take is not counted for it.
+	RollbackPhasesP50MS       map[string]float64 `json:"rollback_phases_p50_ms"`
 	StorageBytesPerCheckpoint Stats              `json:"storage_bytes_per_checkpoint"`
 	ImageBytesPerCheckpoint   Stats              `json:"image_bytes_per_checkpoint"`
 	// OverheadRSSBytes is the RSS of the process Running watches: cairn-init for a
@@ -48,11 +52,15 @@ func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, 
 	if err != nil && opts.Progress != nil {
 		fmt.Fprintf(opts.Progress, "bench: memory warm-up: %v\n", err)
 	}
+	if opts.Seed == 0 {
+		opts.Seed = uint64(time.Now().UnixNano())
+	}
 	for i, iso := range opts.Isolation {
 		o := opts
 		o.Baselines = opts.Baselines && i == 0
-		b := &runner{e: e, opts: o, iso: iso, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 1)),
-			rep: &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC()}, phases: map[string][]float64{}}
+		b := &runner{e: e, opts: o, iso: iso, rng: rand.New(rand.NewPCG(opts.Seed, 1)),
+			rep: &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC(), Seed: opts.Seed},
+			phases: map[string][]float64{}, rbPhases: map[string][]float64{}}
 		b.rep.Machine = machineInfo()
 		b.rep.Machine.MemoryWarmup = warmup
 		b.rep.StandbyRestores = opts.StandbyRestores
@@ -96,10 +104,7 @@ func (b *runner) backendReport() *BackendReport {
 		Fork1MS: r.Fork1MS, Fork4MS: r.Fork4MS, Fork16MS: r.Fork16MS, CreateMS: r.CreateMS,
 		StorageBytesPerCheckpoint: r.StorageBytesPerCheckpoint, ImageBytesPerCheckpoint: r.ImageBytesPerCheckpoint,
 		OverheadRSSBytes: r.OverheadRSSBytes, BackgroundMSPerCheckpoint: r.BackgroundMSPerCheckpoint,
-		Correctness: r.Correctness, CheckpointPhasesP50MS: map[string]float64{}}
-	for name, v := range b.phases {
-		br.CheckpointPhasesP50MS[name] = summarize(v).P50
-	}
+		Correctness: r.Correctness, CheckpointPhasesP50MS: p50s(b.phases), RollbackPhasesP50MS: p50s(b.rbPhases)}
 	return br
 }
 
@@ -137,19 +142,21 @@ func (r *Report) printBackends(w io.Writer) {
 	tw.Flush()
 	for _, n := range names {
 		br := r.Backends[n]
-		phases := make([]string, 0, len(br.CheckpointPhasesP50MS))
-		for p := range br.CheckpointPhasesP50MS {
-			phases = append(phases, p)
-		}
-		sort.Strings(phases)
-		fmt.Fprintf(w, "%s checkpoint phases (p50 ms):", n)
-		for _, p := range phases {
-			fmt.Fprintf(w, " %s %.1f", p, br.CheckpointPhasesP50MS[p])
-		}
-		fmt.Fprintf(w, "; image p50 %s; overhead RSS %s; checks %d passed, %d failed\n",
-			mib(br.ImageBytesPerCheckpoint.P50), mib(float64(br.OverheadRSSBytes)), br.Correctness.Passed, br.Correctness.Failed)
+		printPhases(w, n+" ", "checkpoint", br.CheckpointPhasesP50MS)
+		printPhases(w, n+" ", "rollback", br.RollbackPhasesP50MS)
+		fmt.Fprintf(w, "%s: image p50 %s; overhead RSS %s; checks %d passed, %d failed\n",
+			n, mib(br.ImageBytesPerCheckpoint.P50), mib(float64(br.OverheadRSSBytes)), br.Correctness.Passed, br.Correctness.Failed)
 		if br.Error != "" {
 			fmt.Fprintf(w, "%s: FAILED: %s\n", n, br.Error)
 		}
 	}
+}
+
+// p50s is the median of each phase's samples.
+func p50s(phases map[string][]float64) map[string]float64 {
+	out := map[string]float64{}
+	for name, v := range phases {
+		out[name] = summarize(v).P50
+	}
+	return out
 }

@@ -36,6 +36,9 @@ type Options struct {
 	// WarmMemory writes once to the guest's free memory before measuring, so that the
 	// hypervisor's first-touch faults are not counted in the figures (memory.go).
 	WarmMemory bool
+	// Seed seeds the run's random choices (rollback targets, W2's rewards), so that two
+	// runs, say of two builds, make the same ones; 0 picks one, which the report records.
+	Seed uint64
 }
 
 // Report is the result of a run. Times are milliseconds, sizes bytes.
@@ -47,6 +50,8 @@ type Report struct {
 	Machine    Machine   `json:"machine"`
 	// StandbyRestores is how many standby restores the engine ran at once.
 	StandbyRestores int `json:"standby_restores,omitempty"`
+	// Seed seeded the run's random choices (--seed repeats them).
+	Seed uint64 `json:"seed"`
 
 	CheckpointMS Stats `json:"checkpoint_ms"`
 	RollbackMS   Stats `json:"rollback_ms"`
@@ -71,12 +76,17 @@ type Report struct {
 	W2 *W2Report `json:"w2,omitempty"`
 	W3 *W3Report `json:"w3,omitempty"`
 
-	// StorageBytesPerCheckpoint is the pool filesystem's used-bytes delta around each
-	// checkpoint of the first Iterations steps (syncfs before each statfs; btrfs shares
-	// extents, so this is the cost after sharing). ImageBytesPerCheckpoint is the size
-	// of the checkpoint's process images alone.
+	// StorageBytesPerCheckpoint is, for each checkpoint of the first Iterations steps,
+	// the pool filesystem's used-bytes delta from before its step to after it (syncfs
+	// before each statfs, off the clock; btrfs shares extents, so this is the cost after
+	// sharing, the step's own file writes included) plus its process images' bytes once
+	// compacted. ImageBytesPerCheckpoint is the images alone.
 	StorageBytesPerCheckpoint Stats `json:"storage_bytes_per_checkpoint"`
-	ImageBytesPerCheckpoint   Stats `json:"image_bytes_per_checkpoint"`
+	// BaseCheckpointBytes is the same for the sandbox's first checkpoint, taken of W1's
+	// state before the first step: it holds that whole state (the REPL's 40 MB dict),
+	// which no step changed, so it is not one of StorageBytesPerCheckpoint's.
+	BaseCheckpointBytes     int64 `json:"base_checkpoint_bytes"`
+	ImageBytesPerCheckpoint Stats `json:"image_bytes_per_checkpoint"`
 	// DumpedImageBytesPerCheckpoint is what each checkpoint's dump wrote on its critical
 	// path, before background compaction reduced it to ImageBytesPerCheckpoint.
 	DumpedImageBytesPerCheckpoint Stats `json:"dumped_image_bytes_per_checkpoint"`
@@ -166,10 +176,14 @@ type runner struct {
 	ckMS, rbMS []float64
 	iso        string               // isolation backend of the sandboxes created
 	phases     map[string][]float64 // checkpoint phase timings, by phase
+	rbPhases   map[string][]float64 // rollback phase timings, by phase
 	// stepCks are the checkpoints of the measured steps and stepFS the pool bytes each
 	// added; their images are measured again once background compaction is done.
 	stepCks []string
 	stepFS  []float64
+	// baseCk is the base checkpoint (measureSteps) and baseFS the pool bytes it added.
+	baseCk string
+	baseFS float64
 }
 
 func (b *runner) phase(format string, args ...any) {
@@ -233,6 +247,7 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
+	b.w.ckPhases = b.phases
 	if b.rep.OverheadRSSBytes, err = b.overheadRSS(ctx); err != nil {
 		return err
 	}

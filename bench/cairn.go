@@ -7,6 +7,7 @@ import (
 	"os"
 	"path"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -14,6 +15,7 @@ import (
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/phase"
 )
 
 // maxAncestors is how far back a rollback target may lie (W1: the last 20 checkpoints).
@@ -39,6 +41,27 @@ func poolUsed(root string) (int64, error) {
 	return int64(st.Blocks-st.Bfree) * st.Bsize, nil
 }
 
+// traced runs op with a phase recorder (internal/phase) and appends the time of each
+// phase it reported to into, if into is not nil.
+func traced(ctx context.Context, into map[string][]float64, op func(context.Context) error) error {
+	if into == nil {
+		return op(ctx)
+	}
+	var mu sync.Mutex
+	sums := map[string]float64{}
+	err := op(phase.With(ctx, func(name string, d time.Duration) {
+		mu.Lock()
+		sums[name] += ms(d)
+		mu.Unlock()
+	}))
+	mu.Lock()
+	defer mu.Unlock()
+	for name, v := range sums {
+		into[name] = append(into[name], v)
+	}
+	return err
+}
+
 // checkpoint records the expected state, then takes (and times) a checkpoint.
 func (w *w1) checkpoint(ctx context.Context) (*model.Checkpoint, time.Duration, error) {
 	want, err := w.record(ctx)
@@ -49,8 +72,12 @@ func (w *w1) checkpoint(ctx context.Context) (*model.Checkpoint, time.Duration, 
 	if err != nil {
 		return nil, 0, err
 	}
+	var ck *model.Checkpoint
 	start := time.Now()
-	ck, err := w.e.Checkpoint(ctx, w.id, engine.CheckpointOptions{})
+	err = traced(ctx, w.ckPhases, func(ctx context.Context) (err error) {
+		ck, err = w.e.Checkpoint(ctx, w.id, engine.CheckpointOptions{})
+		return err
+	})
 	d := time.Since(start)
 	if err != nil {
 		return nil, d, fmt.Errorf("checkpoint: %w", err)
@@ -60,25 +87,40 @@ func (w *w1) checkpoint(ctx context.Context) (*model.Checkpoint, time.Duration, 
 	return ck, d, nil
 }
 
-// measureSteps runs n steps, each followed by a timed checkpoint whose on-disk cost is
-// measured as the pool's used-bytes delta around it.
+// measureSteps takes the base checkpoint (of W1's state before any step; its time
+// and bytes are reported apart), then runs n steps, each followed by a timed
+// checkpoint whose on-disk cost is measured as the pool's used-bytes delta from before
+// its step to after it. The syncfs that measures "before" runs before the step, not
+// between the step and the checkpoint: the step's writes are still unflushed when the
+// checkpoint starts, as they are when an agent checkpoints, and flushing them is part of
+// the checkpoint's snapshot.
 func (b *runner) measureSteps(ctx context.Context, n int) error {
 	root := b.e.PoolPath("")
+	before, err := poolUsed(root)
+	if err != nil {
+		return err
+	}
+	base, _, err := b.w.checkpoint(ctx)
+	if err != nil {
+		return err
+	}
+	after, err := poolUsed(root)
+	if err != nil {
+		return err
+	}
+	b.baseCk, b.baseFS = base.ID, float64(after-before)
 	var dumped []float64
 	for i := 0; i < n; i++ {
-		if err := b.w.step(ctx); err != nil {
-			return err
-		}
 		before, err := poolUsed(root)
 		if err != nil {
+			return err
+		}
+		if err := b.w.step(ctx); err != nil {
 			return err
 		}
 		ck, d, err := b.w.checkpoint(ctx)
 		if err != nil {
 			return err
-		}
-		for name, v := range ck.PhasesMS {
-			b.phases[name] = append(b.phases[name], v)
 		}
 		after, err := poolUsed(root)
 		if err != nil {
@@ -115,6 +157,13 @@ func (b *runner) finishStorage(ctx context.Context) error {
 	}
 	b.rep.StorageBytesPerCheckpoint = summarize(storage)
 	b.rep.ImageBytesPerCheckpoint = summarize(images)
+	if b.baseCk != "" {
+		ck, err := b.e.GetCheckpoint(ctx, b.baseCk)
+		if err != nil {
+			return err
+		}
+		b.rep.BaseCheckpointBytes = int64(b.baseFS) + ck.ImageBytes
+	}
 	if b.rep.StepChangedBytes > 0 {
 		b.rep.StorageRatio = b.rep.StorageBytesPerCheckpoint.Mean / float64(b.rep.StepChangedBytes)
 	}
@@ -164,7 +213,7 @@ func (b *runner) measureRollbacks(ctx context.Context, n int) error {
 		}
 		target := anc[b.rng.IntN(len(anc))]
 		start := time.Now()
-		if err := b.e.Rollback(ctx, b.w.id, target); err != nil {
+		if err := traced(ctx, b.rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target) }); err != nil {
 			return fmt.Errorf("rollback to %s: %w", target, err)
 		}
 		b.rbMS = append(b.rbMS, ms(time.Since(start)))

@@ -60,10 +60,15 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(w, "images compacted against their parent's: %d, %.0f ms each on average\n", st.Compactions, st.CompactionMS/float64(st.Compactions))
 	}
 	printResident(w, "", st)
+	if br := r.Backends[r.primaryIsolation()]; br != nil {
+		printPhases(w, "", "checkpoint", br.CheckpointPhasesP50MS)
+		printPhases(w, "", "rollback", br.RollbackPhasesP50MS)
+	}
 	s := r.StorageBytesPerCheckpoint
 	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s; dumped on the critical path: p50 %s)\n",
 		mib(s.P50), mib(s.P95), mib(s.P99), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50), mib(r.DumpedImageBytesPerCheckpoint.P50))
-	fmt.Fprintf(w, "bytes changed by a step: %s; storage ratio %.1f\n", mib(float64(r.StepChangedBytes)), r.StorageRatio)
+	fmt.Fprintf(w, "bytes changed by a step: %s; storage ratio %.1f; the base checkpoint (W1's state before the steps): %s\n",
+		mib(float64(r.StepChangedBytes)), r.StorageRatio, mib(float64(r.BaseCheckpointBytes)))
 	fmt.Fprintf(w, "sandbox overhead (cairn-init RSS): %s\n", mib(float64(r.OverheadRSSBytes)))
 	fmt.Fprintf(w, "correctness checks: %d passed, %d failed\n", r.Correctness.Passed, r.Correctness.Failed)
 	for _, f := range r.Correctness.Failures {
@@ -89,6 +94,24 @@ func printResident(w io.Writer, indent string, st engineStats) {
 	}
 }
 
+// printPhases writes the median of each phase of an operation, in name order; phases
+// may overlap (a snapshot taken while processes fork), so they need not add up.
+func printPhases(w io.Writer, indent, op string, p50 map[string]float64) {
+	if len(p50) == 0 {
+		return
+	}
+	names := make([]string, 0, len(p50))
+	for n := range p50 {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	fmt.Fprintf(w, "%s%s phases (p50 ms):", indent, op)
+	for _, n := range names {
+		fmt.Fprintf(w, " %s %.1f", n, p50[n])
+	}
+	fmt.Fprintln(w)
+}
+
 // per is total / n, 0 when n is.
 func per(total float64, n int) float64 {
 	if n == 0 {
@@ -111,6 +134,8 @@ func (r *Report) printSearch(w io.Writer) {
 			x.CheckpointMS.P50, x.CheckpointMS.P95, x.CheckpointMS.P99, x.RollbackMS.P50, x.RollbackMS.P95, x.RollbackMS.P99,
 			x.Standby.StandbysClaimed, x.Standby.StandbyMisses)
 		printResident(w, "  ", x.Standby)
+		printPhases(w, "  ", "checkpoint", x.CheckpointPhasesP50MS)
+		printPhases(w, "  ", "rollback", x.RollbackPhasesP50MS)
 	}
 	if r.W3 != nil {
 		x := r.W3
@@ -189,3 +214,15 @@ func speedup(r float64) string {
 }
 
 func mib(b float64) string { return fmt.Sprintf("%.2f MiB", b/(1<<20)) }
+
+// primaryIsolation names the backend whose figures are the report's top-level ones:
+// container when it was measured, else the only one.
+func (r *Report) primaryIsolation() string {
+	if _, ok := r.Backends["container"]; ok || len(r.Backends) != 1 {
+		return "container"
+	}
+	for n := range r.Backends {
+		return n
+	}
+	return ""
+}

@@ -25,6 +25,9 @@ type W2Report struct {
 	OverheadPct  float64 `json:"overhead_pct"`
 	CheckpointMS Stats   `json:"checkpoint_ms"`
 	RollbackMS   Stats   `json:"rollback_ms"`
+	// CheckpointPhasesP50MS and RollbackPhasesP50MS are as in BackendReport.
+	CheckpointPhasesP50MS map[string]float64 `json:"checkpoint_phases_p50_ms"`
+	RollbackPhasesP50MS   map[string]float64 `json:"rollback_phases_p50_ms"`
 	// Standby counts the engine's standby work during the search.
 	Standby engine.Stats `json:"standby"`
 }
@@ -98,6 +101,8 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	if err != nil {
 		return nil, err
 	}
+	ckPhases, rbPhases := map[string][]float64{}, map[string][]float64{}
+	b.w.ckPhases = ckPhases
 	before := b.e.Stats()
 	var elapsed time.Duration
 	var ckMS, rbMS []float64
@@ -114,7 +119,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		if i%2 == 1 && i < 98 { // 49 rollbacks
 			target := uct(nodes, i, cur.ck)
 			rb := time.Now()
-			if err := b.e.Rollback(ctx, b.w.id, target.ck); err != nil {
+			if err := traced(ctx, rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target.ck) }); err != nil {
 				return nil, fmt.Errorf("w2 rollback: %w", err)
 			}
 			rbMS = append(rbMS, ms(time.Since(rb)))
@@ -147,6 +152,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	rep.TotalS = elapsed.Seconds()
 	rep.OverheadPct = 100 * (rep.TotalS - rep.FloorS) / rep.FloorS
 	rep.CheckpointMS, rep.RollbackMS = summarize(ckMS), summarize(rbMS)
+	rep.CheckpointPhasesP50MS, rep.RollbackPhasesP50MS = p50s(ckPhases), p50s(rbPhases)
 	rep.Standby = statsDelta(before, b.e.Stats())
 	return rep, nil
 }

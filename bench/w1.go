@@ -33,6 +33,8 @@ type w1 struct {
 	steps  int
 	expect map[string]expected // by checkpoint ID
 	parent map[string]string   // checkpoint → the head it was taken from
+	// ckPhases, if set, receives the phases of each checkpoint (bench's traced).
+	ckPhases map[string][]float64
 }
 
 // expected is the state of the sandbox recorded just before a checkpoint.

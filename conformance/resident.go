@@ -108,8 +108,9 @@ func waitRunning(t *testing.T, h Harness, id, name string) {
 }
 
 // testCrashRollback kills cairn in the middle of a rollback through zygotes (the
-// processes killed, the root not yet reverted; the processes forked again, not yet
-// recorded): the next engine finds the sandbox by its mark and rolls it back again.
+// processes killed, the root being reverted; the processes forked again, not yet fixed
+// up; forked and recorded, not yet committed): the next engine finds the sandbox by its
+// mark and rolls it back again, from the same zygotes.
 func testCrashRollback(t *testing.T, h Harness) {
 	if !h.Resident || h.Crash == nil {
 		t.Skip("the engine keeps no checkpoint resident")
@@ -120,7 +121,9 @@ func testCrashRollback(t *testing.T, h Harness) {
 	ask(t, h, id, p, "x = 1")
 	sh(t, h, id, "echo one > /file")
 	good := checkpoint(t, h, id, "good")
-	for _, point := range []string{"resident-rollback-killed", "resident-rollback-spawned"} {
+	// zygote-spawn-forked: the zygotes thawed, parked, and the processes forked from them
+	// parked too, not yet released; the next rollback must settle them.
+	for _, point := range []string{"resident-rollback-killed", "zygote-spawn-forked", "resident-rollback-spawned"} {
 		t.Run(point, func(t *testing.T) {
 			ask(t, h, id, p, "x = 2")
 			sh(t, h, id, "echo two > /file")
@@ -139,6 +142,9 @@ func testCrashRollback(t *testing.T, h Harness) {
 			}
 			want(t, "REPL after crash", ask(t, h, id, p, "print(x)"), "1")
 			want(t, "file after crash", sh(t, h, id, "cat /file"), "one\n")
+			// Rolled back again from its zygotes, which a crash leaves usable: the
+			// checkpoint is still resident (a restore of images would have ended them).
+			wantResident(t, h, good)
 		})
 	}
 }

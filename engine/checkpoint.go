@@ -13,6 +13,8 @@ import (
 
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/phase"
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
 )
 
@@ -49,11 +51,25 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	if len(opts.Label) > 256 {
 		return nil, errdefs.InvalidArgument("label is %d bytes long; keep it under 256", len(opts.Label))
 	}
+	phases := map[string]float64{}
+	var phasesMu sync.Mutex
+	trace := phase.Of(ctx)
+	record := func(name string, d time.Duration) {
+		phasesMu.Lock()
+		phases[name] = float64(d.Microseconds()) / 1000
+		phasesMu.Unlock()
+		if trace != nil {
+			trace(name, d)
+		}
+	}
+	start := time.Now()
 	unlock, err := e.lock(ctx, id, true)
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
+	record("lock", time.Since(start))
+	t := time.Now()
 	sb, err := e.Get(ctx, id)
 	if err != nil {
 		return nil, err
@@ -81,14 +97,12 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		os.RemoveAll(e.pool.Path(staged))
 		os.RemoveAll(stagedImages)
 	}
-	phases := map[string]float64{}
-	phase := func(name string, d time.Duration) { phases[name] = float64(d.Microseconds()) / 1000 }
-	start := time.Now()
-	hooks := isolation.Hooks{Phase: phase, Frozen: func(ctx context.Context) error {
+	record("prepare", time.Since(t))
+	hooks := isolation.Hooks{Phase: record, Frozen: func(ctx context.Context) error {
 		crashPoint("checkpoint-stopped")
 		t := time.Now()
 		err := e.pool.Snapshot(ctx, sb.Root, stagedFS, true)
-		phase("fs_snapshot", time.Since(t))
+		record("fs_snapshot", time.Since(t))
 		if err == nil {
 			crashPoint("checkpoint-frozen")
 		}
@@ -102,6 +116,14 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		if err != nil {
 			cleanup()
 			return nil, err
+		}
+		if !resident && e.pool.Exists(stagedFS) {
+			// Found ineligible once the snapshot was under way (it runs beside the
+			// forks): the CRIU path takes its own.
+			if err := e.pool.Delete(ctx, stagedFS); err != nil {
+				cleanup()
+				return nil, err
+			}
 		}
 	}
 	if resident {
@@ -119,7 +141,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		// W1), and the snapshot flushes the root anyway.
 		t := time.Now()
 		e.pool.Sync(ctx, sb.Root)
-		phase("sync", time.Since(t))
+		record("sync", time.Since(t))
 		if err := b.Checkpoint(ctx, e.isb(sb), stagedImages, hooks); err != nil {
 			cleanup()
 			return nil, err
@@ -131,7 +153,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	crashPoint("checkpoint-staged")
 	// Publish both halves under their final names; the metadata row written next is what
 	// makes the checkpoint exist.
-	t := time.Now()
+	t = time.Now()
 	final := filepath.Join(checkpointsDir, ck.ID)
 	ck.FSVolume = filepath.Join(final, "fs")
 	ck.Images = filepath.Join(imagesDir, ck.ID)
@@ -149,13 +171,18 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	ck.ImageBytes = DirBytes(e.imagesPath(ck.Images))
 	ck.CreatedAt = time.Now().UTC()
 	sb.Head = ck.ID
+	record("publish", time.Since(t))
+	t = time.Now()
+	phasesMu.Lock()
 	ck.PhasesMS = phases
-	phase("publish", time.Since(t))
 	ck.DurationMS = float64(time.Since(start).Microseconds()) / 1000
-	if err := e.db.AddCheckpoint(ctx, ck, sb); err != nil {
+	err = e.db.AddCheckpoint(ctx, ck, sb)
+	phasesMu.Unlock()
+	if err != nil {
 		e.removeCheckpointFiles(context.WithoutCancel(ctx), ck.ID)
 		return nil, err
 	}
+	phase.Since(ctx, "row", t)
 	if resident {
 		// Images, compaction and the eviction of the oldest resident checkpoints follow
 		// the durable copy.
@@ -174,12 +201,18 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 
 // crashPoint kills the process when CAIRN_TEST_CRASH_AT names this point, so tests can
 // prove that a SIGKILL at that line leaves no half-written state (the points of
-// criu/incremental's rewrites are named there, with the same variable).
+// criu/incremental's rewrites are named there, with the same variable). Some points run
+// while the container backend injects system calls into stopped processes on another
+// thread (the snapshot of a resident checkpoint, beside the forks): the kill waits
+// until no process is inside an injected call (ptrace.Between), where a real crash
+// leaves every process whole, so that each point tests one state.
 func crashPoint(name string) {
 	if os.Getenv("CAIRN_TEST_CRASH_AT") == name {
-		p, _ := os.FindProcess(os.Getpid())
-		p.Kill()
-		select {}
+		ptrace.Between(func() {
+			p, _ := os.FindProcess(os.Getpid())
+			p.Kill()
+			select {}
+		})
 	}
 }
 
@@ -240,11 +273,14 @@ func (e *Engine) inLineage(ctx context.Context, sb *model.Sandbox, ck *model.Che
 // sandbox keeps its ID; the checkpoint becomes its head, so the next checkpoint branches
 // from it.
 func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
+	t := time.Now()
 	unlock, err := e.lock(ctx, id, true)
 	if err != nil {
 		return err
 	}
 	defer unlock()
+	phase.Since(ctx, "lock", t)
+	t = time.Now()
 	sb, err := e.Get(ctx, id)
 	if err != nil {
 		return err
@@ -264,6 +300,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	if err != nil {
 		return err
 	}
+	phase.Since(ctx, "lookup", t)
 	// A crash from here on leaves the mark (resident.go); a completed rollback clears it.
 	defer clearRollback(e.cfg.DataDir, id)
 	e.touch(id)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/internal/phase"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/storage"
 )
@@ -418,6 +419,11 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	err := run(func(ctx context.Context) error {
 		crashPoint(killed)
 		st, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
+		if f := phase.Of(ctx); f != nil {
+			f("revert_snapshot", msDuration(st.SnapshotMS))
+			f("revert_send", msDuration(st.SendMS))
+			f("revert_apply", msDuration(st.ApplyMS))
+		}
 		e.count(func(s *Stats) {
 			s.Reverts++
 			s.RevertOps += st.Ops
@@ -434,14 +440,19 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	if err != nil {
 		return false, err
 	}
+	t := time.Now()
 	sb.Head = ck.ID
 	if err := e.db.PutSandbox(ctx, sb); err != nil {
 		return false, err
 	}
 	clearRollback(e.cfg.DataDir, sb.ID)
+	phase.Since(ctx, "commit", t)
 	e.count(counted)
 	return true, nil
 }
+
+// msDuration converts milliseconds as RevertStats holds them.
+func msDuration(ms float64) time.Duration { return time.Duration(ms * float64(time.Millisecond)) }
 
 // A rollback in place is not atomic: killing the processes, reverting the root and
 // forking from the zygotes. locks/<sandbox>.rollback names the checkpoint while one

@@ -89,7 +89,8 @@ type Resident interface {
 	// RollbackResident brings sb's processes back to the resident checkpoint in dir: it
 	// kills them, calls revert, which must bring sb.Root's files back to the
 	// checkpoint's in place (the zygotes' descriptors point at its inodes), and forks the
-	// checkpoint's processes from the zygotes. ErrNotResident if the zygotes are gone or
+	// checkpoint's processes from the zygotes (revert may run on a goroutine of its own,
+	// beside the forks). ErrNotResident if the zygotes are gone or
 	// belong to another generation of the sandbox (nothing was done then); any other
 	// error leaves sb without its processes, to be restored from images.
 	RollbackResident(ctx context.Context, sb *Sandbox, dir string, revert func(context.Context) error) error
@@ -121,12 +122,15 @@ type ProcSpec = initctl.ProcSpec
 
 // Hooks are called by Checkpoint while the sandbox's processes are frozen.
 type Hooks struct {
-	// Frozen captures the filesystem; an error aborts the checkpoint and thaws.
+	// Frozen captures the filesystem; an error aborts the checkpoint and thaws. It may
+	// run on a goroutine of its own while the backend works on the stopped processes
+	// (resident checkpoints: beside the forks of the zygotes).
 	Frozen func(ctx context.Context) error
 	// Dumped, if set, is called when the process state is written but the backend still
 	// holds the processes (CRIU's post-dump; container only). Crash tests die there.
 	Dumped func()
-	// Phase, if set, is told how long each phase took ("freeze", "dump", "thaw").
+	// Phase, if set, is told how long each phase took ("freeze", "dump", "thaw"); it
+	// may be called from two goroutines at once.
 	Phase func(name string, d time.Duration)
 }
 

@@ -42,7 +42,8 @@ correctness check failed.`,
   cairn bench --isolation gvisor --no-baselines
   cairn bench --json > w1.json
   cairn bench --workload all --no-baselines
-  cairn bench --workload all --no-baselines --standby-restores 2`,
+  cairn bench --workload all --no-baselines --standby-restores 2
+  cairn bench --no-baselines --seed 42      # the same rollback targets as any run with seed 42`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			opts.Baselines = !noBaselines
@@ -73,6 +74,7 @@ correctness check failed.`,
 	cmd.Flags().IntVar(&opts.StandbyRestores, "standby-restores", 1, "standby restores the engine runs at once in the background (as cairnd's --standby-restores)")
 	cmd.Flags().BoolVar(&opts.WarmMemory, "warm-memory", true, "first write once to the guest's free memory, so that the hypervisor backs it before anything is timed (~1 min when the host has taken the memory back, as after a boot and again within hours; seconds otherwise; see machine.memory_warmup in the report)")
 	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc_criu, runsc and copytree baselines")
+	cmd.Flags().Uint64Var(&opts.Seed, "seed", 0, "seed of the run's random choices (rollback targets, W2's rewards), to repeat another run's (its report's seed); 0 picks one")
 	cmd.Flags().StringSliceVar(&opts.Isolation, "isolation", []string{"container", "gvisor"}, "isolation backends to measure, side by side (the top-level figures are container's)")
 	return cmd
 }

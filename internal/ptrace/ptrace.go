@@ -12,9 +12,11 @@
 // Crash windows. While a system call is being injected the tracee's registers are not
 // its own. If the tracer dies in that window the kernel detaches the tracee, which then
 // runs on from the injected state and most likely crashes. Each window lasts one system
-// call (tens of microseconds); between calls the registers are the tracee's. Callers
-// that must survive their own crash keep those windows short and put their crash points
-// between them.
+// call (tens of microseconds): the registers are put back after every call. A child
+// forked by an injected clone is born in such a window, which lasts until it is given
+// registers (SetRegs, then Restore or Detach) or killed. Between runs a function
+// outside every window of the process (a test's crash point placed in code that runs
+// concurrently with injections, so that where it kills is deterministic).
 package ptrace
 
 import (
@@ -52,6 +54,9 @@ func NewTracer() *Tracer {
 		// still locked, and the runtime ends the thread with it (so nothing else ever runs
 		// on a thread that is some process's tracer).
 		runtime.LockOSThread()
+		// wait's short sleeps: without this a nanosleep of the thread lasts at least the
+		// default 50 µs of timer slack.
+		unix.Prctl(unix.PR_SET_TIMERSLACK, 1, 0, 0, 0)
 		tick := time.NewTicker(100 * time.Millisecond)
 		defer tick.Stop()
 		for {
@@ -74,7 +79,10 @@ func NewTracer() *Tracer {
 // Forget hands over a tracee that could not be waited for (it did not stop in time,
 // say in an uninterruptible sleep): the tracer detaches it once it stops, so that it
 // does not sit in a ptrace stop forever. Call it inside Do.
-func (t *Tracer) Forget(tc *Tracee) { t.stale = append(t.stale, tc) }
+func (t *Tracer) Forget(tc *Tracee) {
+	tc.setInjected(false) // it never ran an injected call
+	t.stale = append(t.stale, tc)
+}
 
 func (t *Tracer) detachStale() {
 	keep := t.stale[:0]
@@ -120,6 +128,78 @@ type Tracee struct {
 	// pending are signals that arrived while the tracee was stopped for us; Detach
 	// delivers them again.
 	pending []syscall.Signal
+	// injected says that the tracee's registers are not its own (a crash window, counted
+	// in windows).
+	injected bool
+	// parked holds the tracee's own registers while it is parked (Park); saved then
+	// holds the parking call.
+	parked *unix.PtraceRegs
+}
+
+// windows counts the tracees in a crash window, process-wide.
+var windows struct {
+	mu   sync.Mutex
+	cond sync.Cond
+	n    int
+}
+
+// betweenWait bounds how long Between waits for the windows to close: a tracee lost in
+// one (an error path that neither restored nor killed it) must not hang a test.
+const betweenWait = 5 * time.Second
+
+// Between runs f while no tracee of this process is in a crash window, and holds every
+// window shut while f runs: f may kill the process. It waits at most a few seconds for
+// open windows to close, then runs f anyway.
+func Between(f func()) {
+	windows.mu.Lock()
+	defer windows.mu.Unlock()
+	if windows.cond.L == nil {
+		windows.cond.L = &windows.mu
+	}
+	deadline := time.Now().Add(betweenWait)
+	for windows.n > 0 && time.Now().Before(deadline) {
+		// sync.Cond has no timed wait: a ticker wakes it.
+		stop := time.AfterFunc(10*time.Millisecond, func() {
+			windows.mu.Lock()
+			windows.cond.Broadcast()
+			windows.mu.Unlock()
+		})
+		windows.cond.Wait()
+		stop.Stop()
+	}
+	f()
+}
+
+// Window runs f as a crash window of the caller's own (Between waits for it to end):
+// state that must not outlive a crash of this process while f runs, beyond a tracee's
+// registers (say, a pid namespace's next PID lowered for an injected fork).
+func Window(f func() error) error {
+	windows.mu.Lock()
+	windows.n++
+	windows.mu.Unlock()
+	defer func() {
+		windows.mu.Lock()
+		if windows.n--; windows.n == 0 && windows.cond.L != nil {
+			windows.cond.Broadcast()
+		}
+		windows.mu.Unlock()
+	}()
+	return f()
+}
+
+// setInjected opens or closes the tracee's crash window.
+func (t *Tracee) setInjected(on bool) {
+	if t.injected == on {
+		return
+	}
+	windows.mu.Lock()
+	t.injected = on
+	if on {
+		windows.n++
+	} else if windows.n--; windows.n == 0 && windows.cond.L != nil {
+		windows.cond.Broadcast()
+	}
+	windows.mu.Unlock()
 }
 
 // Options every tracee is seized with: the children it forks or clones are attached too
@@ -183,10 +263,12 @@ func event(ws unix.WaitStatus) int {
 	return int(uint32(ws)>>16) & 0xff
 }
 
-// wait waits for the next state change of the tracee. It polls, first without
-// sleeping (a stop usually follows within microseconds, and a sleeping poll would add
-// tens of them to every injected call), then sleeping, so that the timeout holds
-// (waitpid itself has none).
+// wait waits for the next state change of the tracee. It polls (waitpid has no
+// timeout), first without sleeping (most injected calls stop again within
+// microseconds, and the Go scheduler's sleeps add tens of them), then in nanosleeps of
+// the tracer's own thread of ~20 µs: a fork of a large process runs for milliseconds,
+// in the kernel, and a spinning tracer would take a core from it and from whatever
+// runs beside it (the checkpoint's snapshot, the rollback's revert).
 func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 	start := time.Now()
 	deadline := start.Add(timeout)
@@ -209,11 +291,22 @@ func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 		if now.After(deadline) {
 			return 0, fmt.Errorf("process %d did not stop within %s (state %s)", t.Pid, timeout, procState(t.Pid))
 		}
-		if now.Sub(start) > 2*time.Millisecond {
+		switch waited := now.Sub(start); {
+		case waited < spinFor:
+		case waited < 5*time.Millisecond:
+			ts := unix.NsecToTimespec(int64(pollEvery))
+			unix.Nanosleep(&ts, nil)
+		default:
 			time.Sleep(100 * time.Microsecond)
 		}
 	}
 }
+
+// The polling of wait: it spins for spinFor, then sleeps pollEvery at a time.
+const (
+	spinFor   = 50 * time.Microsecond
+	pollEvery = 20 * time.Microsecond
+)
 
 func (t *Tracee) save() error {
 	if err := unix.PtraceGetRegs(t.Pid, &t.saved); err != nil {
@@ -254,16 +347,70 @@ func restarted(r *unix.PtraceRegs) {
 }
 
 // Regs are the tracee's own registers (as saved when it stopped, or as set by SetRegs).
-func (t *Tracee) Regs() unix.PtraceRegs { return t.saved }
+func (t *Tracee) Regs() unix.PtraceRegs {
+	if t.parked != nil {
+		return *t.parked
+	}
+	return t.saved
+}
 
-// SetRegs replaces the tracee's own registers: Restore and Detach put these back.
-func (t *Tracee) SetRegs(r unix.PtraceRegs) { t.saved = r }
+// SetRegs replaces the tracee's own registers: Restore and Detach put these back (once
+// Unpark has, if the tracee is parked).
+func (t *Tracee) SetRegs(r unix.PtraceRegs) {
+	if t.parked != nil {
+		t.parked = &r
+		return
+	}
+	t.saved = r
+}
+
+// Park makes the registers the tracee would resume from, if its tracer died, those of
+// a call of pause(2) at its syscall instruction: until Unpark, a tracee that must not run
+// its own code unattended (a frozen template process thawed to be worked on, or its
+// fresh copy) waits there instead, where a later tracer finds it and gives it its own
+// registers back (SetRegs). Injected calls work as usual meanwhile.
+func (t *Tracee) Park() error {
+	if t.parked != nil {
+		return nil
+	}
+	if err := t.locate(); err != nil {
+		return err
+	}
+	own := t.saved
+	r := own
+	r.Rip = t.syscallAt
+	r.Rax = unix.SYS_PAUSE
+	r.Orig_rax = ^uint64(0)
+	t.saved, t.parked = r, &own
+	return t.Restore()
+}
+
+// Parked reports whether the tracee, as it stopped, was waiting in the call Park sets
+// up (a tracer parked it, then died).
+func (t *Tracee) Parked() bool {
+	if t.locate() != nil {
+		return false
+	}
+	// Stopped inside pause(2), its registers read as about to issue it again (restarted).
+	return t.saved.Rip == t.syscallAt && t.saved.Rax == unix.SYS_PAUSE
+}
+
+// Unpark makes the tracee's own registers the ones Restore and Detach write back again.
+func (t *Tracee) Unpark() {
+	if t.parked != nil {
+		t.saved, t.parked = *t.parked, nil
+	}
+}
 
 // Restore writes the tracee's own registers back after injected calls.
 func (t *Tracee) Restore() error {
 	if err := unix.PtraceSetRegs(t.Pid, &t.saved); err != nil {
+		if errors.Is(err, unix.ESRCH) && procState(t.Pid) == "gone" {
+			t.setInjected(false) // dead and reaped: no window any more
+		}
 		return fmt.Errorf("ptrace setregs %d: %w", t.Pid, err)
 	}
+	t.setInjected(false)
 	return nil
 }
 
@@ -291,6 +438,7 @@ func (t *Tracee) Detach() error {
 // Kill kills the tracee and waits until it is dead (as its tracer, we are told first).
 func (t *Tracee) Kill() error {
 	unix.Kill(t.Pid, unix.SIGKILL)
+	t.setInjected(false) // it runs no instruction of its own any more
 	for {
 		ws, err := t.wait(stepTimeout)
 		if errors.Is(err, ErrExited) || ws.Exited() || ws.Signaled() {

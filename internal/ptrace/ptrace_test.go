@@ -80,6 +80,69 @@ func TestTracerDies(t *testing.T) {
 	}
 }
 
+// TestBetween checks the crash-window gate: Between runs at once after injected calls
+// (each puts the registers back), waits while a child forked by an injected clone still
+// has the call's registers, and runs once that child is gone.
+func TestBetween(t *testing.T) {
+	requireRoot(t)
+	c := startReplica(t)
+	tr := NewTracer()
+	defer tr.Close()
+	var tc, z *Tracee
+	err := tr.Do(func() error {
+		var err error
+		if tc, err = Seize(c.cmd.Process.Pid); err != nil {
+			return err
+		}
+		if err := tc.Interrupt(); err != nil {
+			return err
+		}
+		if err := tc.Wait(10 * time.Second); err != nil {
+			return err
+		}
+		if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := make(chan struct{})
+	go Between(func() { close(ran) })
+	select {
+	case <-ran:
+	case <-time.After(2 * time.Second):
+		t.Fatal("Between waited although every injected call had put the registers back")
+	}
+	if err := tr.Do(func() (err error) { z, err = tc.Fork(unix.CLONE_PARENT); return err }); err != nil {
+		t.Fatal(err)
+	}
+	ran = make(chan struct{})
+	go Between(func() { close(ran) })
+	select {
+	case <-ran:
+		t.Fatal("Between ran while a forked child still had the injected call's registers")
+	case <-time.After(200 * time.Millisecond):
+	}
+	if err := tr.Do(func() error {
+		if err := z.Kill(); err != nil {
+			return err
+		}
+		return tc.Detach()
+	}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-ran:
+	case <-time.After(2 * time.Second):
+		t.Fatal("Between did not run once the forked child was killed")
+	}
+	if got := c.ask(t); got[2] != "2" {
+		t.Fatalf("the replica answered %v after the injections, want answer 2", got)
+	}
+}
+
 // replica is the tracee of these tests: a single-threaded Python process (a Go test
 // binary would not do: fork copies one thread, and the Go runtime needs all of its own)
 // that blocks reading commands from fd 3 and answers on fd 4 with its pid, its parent's

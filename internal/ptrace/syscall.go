@@ -14,8 +14,8 @@ import (
 const stepTimeout = 10 * time.Second
 
 // Syscall runs one system call in the stopped tracee and returns its result; a negative
-// result is returned as the errno. The tracee's own registers are not restored
-// (Restore or Detach does that), so several calls can run back to back.
+// result is returned as the errno. The tracee's own registers are put back afterwards
+// (a setregs: the crash window is the call alone).
 //
 // Preconditions: the tracee is stopped (Wait returned).
 func (t *Tracee) Syscall(nr uintptr, args ...uintptr) (uintptr, error) {
@@ -42,16 +42,23 @@ func (t *Tracee) syscall(nr uintptr, args []uintptr) (uintptr, *Tracee, error) {
 		a[i] = uint64(v)
 	}
 	r.Rdi, r.Rsi, r.Rdx, r.R10, r.R8, r.R9 = a[0], a[1], a[2], a[3], a[4], a[5]
+	t.setInjected(true)
 	if err := unix.PtraceSetRegs(t.Pid, &r); err != nil {
 		return 0, nil, fmt.Errorf("ptrace setregs %d: %w", t.Pid, err)
 	}
 	child, err := t.step()
+	if child != nil {
+		child.setInjected(true) // born with the call's registers
+	}
 	if err != nil {
 		return 0, child, err
 	}
 	var out unix.PtraceRegs
 	if err := unix.PtraceGetRegs(t.Pid, &out); err != nil {
 		return 0, child, fmt.Errorf("ptrace getregs %d: %w", t.Pid, err)
+	}
+	if err := t.Restore(); err != nil {
+		return 0, child, err
 	}
 	if res := int64(out.Rax); res < 0 && res > -4096 {
 		return 0, child, syscall.Errno(-res)
@@ -107,6 +114,7 @@ func (t *Tracee) Fork(flags uintptr) (*Tracee, error) {
 	if err != nil {
 		if child != nil {
 			unix.Kill(child.Pid, unix.SIGKILL)
+			child.setInjected(false)
 		}
 		return nil, fmt.Errorf("clone in %d: %w", t.Pid, err)
 	}
@@ -115,6 +123,7 @@ func (t *Tracee) Fork(flags uintptr) (*Tracee, error) {
 	}
 	if err := child.Wait(stepTimeout); err != nil {
 		unix.Kill(child.Pid, unix.SIGKILL)
+		child.setInjected(false)
 		return nil, fmt.Errorf("new child %d of %d: %w", child.Pid, t.Pid, err)
 	}
 	child.syscallAt = t.syscallAt // same address space layout

@@ -48,6 +48,12 @@ func (b *Backend) MakeDurable(ctx context.Context, sb *isolation.Sandbox, dir st
 	if rec.Init != sb.Init || !rec.Alive() {
 		return fmt.Errorf("%w: the zygotes of %s are gone", isolation.ErrNotResident, dir)
 	}
+	// A crash in the middle of a rollback may have left them thawed (parked).
+	if err := zygote.Settle(b.res.tr(), rec); errors.Is(err, zygote.ErrLost) {
+		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
+	} else if err != nil {
+		return err
+	}
 	tmp := filepath.Join(dir, procsDir+".tmp")
 	os.RemoveAll(tmp)
 	if err := os.Mkdir(tmp, 0o700); err != nil {

@@ -17,6 +17,7 @@ import (
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/internal/initctl"
+	"github.com/cairn-sandbox/cairn/internal/phase"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
@@ -215,27 +216,62 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	if err != nil {
 		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
 	}
-	release, err := killAndRevert(ctx, sb, revert)
+	t := time.Now()
+	adoptStrays(rec, sb)
+	if err := killAllButInit(sb); err != nil {
+		return err
+	}
+	phase.Since(ctx, "kill", t)
+	release, err := holdCRIU(sb.CgroupName())
 	if err != nil {
 		return err
 	}
 	defer release()
 	// Init is frozen while the processes are forked: its Go runtime starts threads
 	// whenever it likes, and each takes the next PID of the namespace.
+	t = time.Now()
 	if err := freeze(sb.CgroupName()); err != nil {
 		return err
 	}
-	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set})
+	phase.Since(ctx, "freeze_init", t)
+	// The root is reverted on another thread while the zygotes fork (a fork copies
+	// memory and descriptors, not files; the fixups after it need the checkpoint's
+	// files), each taking a few milliseconds, mostly in the kernel.
+	reverted := make(chan error, 1)
+	go func() {
+		err := revert(ctx)
+		if err != nil {
+			err = fmt.Errorf("revert the root of %s: %w", sb.ID, err)
+		}
+		reverted <- err
+	}()
+	var revertErr error
+	revertDone := false
+	waitRevert := func() error {
+		if !revertDone {
+			revertErr, revertDone = <-reverted, true
+		}
+		return revertErr
+	}
+	t = time.Now()
+	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: waitRevert, Phase: prefixed(ctx, "spawn_")})
+	if rerr := waitRevert(); err == nil {
+		err = rerr
+	}
+	phase.Since(ctx, "spawn", t)
 	release()
+	t = time.Now()
 	if terr := thaw(sb.CgroupName()); err == nil {
 		err = terr
 	}
+	phase.Since(ctx, "thaw_init", t)
 	if err != nil {
 		zygote.Discard(pids)
 		return err
 	}
 	// Init learns them while they are still frozen (one that exited at once would
 	// otherwise be reaped unknown, its exit unrecorded), then they run.
+	t = time.Now()
 	if resp, err := b.call(ctx, sb, initctl.Request{Op: initctl.OpReload}); err != nil {
 		zygote.Discard(pids)
 		return err
@@ -243,24 +279,45 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		zygote.Discard(pids)
 		return err
 	}
+	phase.Since(ctx, "reload", t)
+	t = time.Now()
+	defer phase.Since(ctx, "release", t)
 	return zygote.Release(pids, filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"))
 }
 
-// killAndRevert begins a rollback in place: it kills every process of sb but init,
-// reverts its root, and holds a CRIU dumping a zygote of sb from inside (in the
+// killAndRevert begins a rollback in place by images: it kills every process of sb but
+// init, reverts its root, and holds a CRIU dumping a zygote of sb from inside (in the
 // background: it starts processes in the namespace, which could take a PID to give
 // back) until release.
 func killAndRevert(ctx context.Context, sb *isolation.Sandbox, revert func(context.Context) error) (release func(), err error) {
 	// Init records each death before it reaps the process (cmd/cairn-init reap): once
 	// their PIDs are gone, nothing more is written for them, and the revert removes what
 	// was.
+	t := time.Now()
 	if err := killAllButInit(sb); err != nil {
 		return nil, err
 	}
+	phase.Since(ctx, "kill", t)
 	if err := revert(ctx); err != nil {
 		return nil, fmt.Errorf("revert the root of %s: %w", sb.ID, err)
 	}
+	t = time.Now()
+	defer phase.Since(ctx, "hold_criu", t)
 	return holdCRIU(sb.CgroupName())
+}
+
+// adoptStrays moves into the sandbox's freezer cgroup every task of rec's zygote cgroups
+// but the zygotes: processes a rollback forked and never released, because cairn died
+// in the middle of it. There they are the sandbox's processes, which the rollback kills.
+func adoptStrays(rec *zygote.Record, sb *isolation.Sandbox) {
+	procs := filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs")
+	for _, p := range rec.Procs {
+		for _, pid := range readPids(filepath.Join(p.Cgroup, "cgroup.procs")) {
+			if pid != p.Zygote.Pid {
+				os.WriteFile(procs, []byte(strconv.Itoa(pid)), 0)
+			}
+		}
+	}
 }
 
 // killAllButInit kills every process of the sandbox but init (its zygotes are not in its
@@ -377,4 +434,14 @@ func hasZygotes(cgroup string) bool {
 		return nil
 	})
 	return found
+}
+
+// prefixed returns a phase recorder reporting to ctx's under prefix+name, nil if ctx
+// has none.
+func prefixed(ctx context.Context, prefix string) func(string, time.Duration) {
+	f := phase.Of(ctx)
+	if f == nil {
+		return nil
+	}
+	return func(name string, d time.Duration) { f(prefix+name, d) }
 }

@@ -103,7 +103,11 @@ func ensureImage(ctx context.Context, image string, size int64) error {
 		}
 		return fmt.Errorf("btrfs pool: size image: %w", err)
 	}
-	out, err := exec.CommandContext(ctx, mkfs, "-q", "-L", "cairn", tmp).CombinedOutput()
+	// Metadata single, not DUP (mkfs's default): the image is one file on one disk, so a
+	// second copy guards against little, and every transaction commit (each snapshot is
+	// one) would write its metadata twice. Measured on a W1 step: 1.4 MB in 89 writes
+	// with DUP, 0.7 MB in 5 with single; the checkpoint's snapshot 5.4 -> 4.4 ms.
+	out, err := exec.CommandContext(ctx, mkfs, "-q", "-L", "cairn", "-m", "single", tmp).CombinedOutput()
 	if err != nil {
 		os.Remove(tmp)
 		return fmt.Errorf("btrfs pool: %s %s: %w: %s", mkfs, tmp, err, strings.TrimSpace(string(out)))

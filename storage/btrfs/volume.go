@@ -7,10 +7,12 @@ import (
 	"errors"
 	"path"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/phase"
 )
 
 const (
@@ -188,18 +190,22 @@ func (p *Pool) Snapshot(ctx context.Context, src, dst string, readonly bool) err
 		return p.opError("snapshot", dst, unix.EEXIST)
 	}
 	tmp := tmpName(base)
+	t := time.Now()
 	if err := snapCreate(pfd, srcfd, tmp, readonly); err != nil {
 		return p.opError("snapshot "+src+" to", dst, err)
 	}
+	phase.Since(ctx, "snapshot_ioctl", t)
 	if err := unix.Renameat2(pfd, tmp, pfd, base, unix.RENAME_NOREPLACE); err != nil {
 		_ = snapDestroy(pfd, tmp) // best effort; Recover removes it otherwise
 		return p.opError("snapshot: publish", dst, err)
 	}
 	// Make the rename durable (btrfs commits the transaction for a subvolume rename), so
 	// that a snapshot reported as taken survives a crash.
+	t = time.Now()
 	if err := unix.Fsync(pfd); err != nil {
 		return p.opError("snapshot: sync", dst, err)
 	}
+	phase.Since(ctx, "snapshot_fsync", t)
 	return nil
 }
 

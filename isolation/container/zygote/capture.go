@@ -35,10 +35,12 @@ type CaptureOptions struct {
 	// before the first zygote exists and naming the cgroups they go to, so that Kill
 	// can always end what a crash left; the complete one at the end.
 	RecordDir string
-	// Frozen, if set, is called while every process is stopped and its zygote exists:
-	// the caller snapshots the filesystem there. Its error aborts the capture.
+	// Frozen, if set, is called once every process is stopped, on a goroutine of its
+	// own while the zygotes are made: the caller snapshots the filesystem there. Its
+	// error aborts the capture; the processes stay stopped until it returns.
 	Frozen func() error
-	// Phase, if set, is told how long each phase took ("stop", "zygotes", "fs", "resume").
+	// Phase, if set, is told how long each phase took ("stop", "zygote_scan",
+	// "zygote_fork", "zygotes", "fs", "resume"), from two goroutines at once.
 	Phase func(name string, d time.Duration)
 }
 
@@ -85,50 +87,69 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 			return ineligible("processes started or ended during the checkpoint")
 		}
 		o.report("stop", t)
-		t = time.Now()
-		var zps []*Proc
-		for _, p := range procs {
-			zp, err := o.scan(p)
-			if err != nil {
-				return err
-			}
-			zps = append(zps, zp)
-			rec.Procs = append(rec.Procs, Proc{Cgroup: zp.Cgroup})
+		// Every process is stopped: the filesystem is captured now, on another thread,
+		// while the zygotes are made (a btrfs snapshot and the forks each take a few
+		// milliseconds, mostly in the kernel, on two cores).
+		fs := o.frozen()
+		err = o.zygotes(procs, rec)
+		if ferr := fs(); err == nil {
+			err = ferr
 		}
-		if err := rec.Write(o.RecordDir); err != nil {
-			return err
-		}
-		for i, p := range procs {
-			if err := capture(p, zps[i]); err != nil {
-				return err
-			}
-			rec.Procs[i] = *zps[i]
-		}
-		if err := rec.Write(o.RecordDir); err != nil {
-			return err
-		}
-		// Each process gets its own registers back now, not at the detach: if cairn died
-		// during the snapshot, the kernel would let it run on from them.
-		for _, p := range procs {
-			if err := p.Restore(); err != nil {
-				return err
-			}
-		}
-		o.report("zygotes", t)
-		if o.Frozen != nil {
-			t = time.Now()
-			if err := o.Frozen(); err != nil {
-				return err
-			}
-			o.report("fs", t)
-		}
-		return nil
+		return err
 	})
 	if err != nil {
 		Kill(rec)
 		return nil, err
 	}
 	return rec, nil
+}
+
+// frozen starts o.Frozen on its own goroutine and returns the wait for its result.
+func (o *CaptureOptions) frozen() (wait func() error) {
+	if o.Frozen == nil {
+		return func() error { return nil }
+	}
+	done := make(chan error, 1)
+	go func() {
+		t := time.Now()
+		err := o.Frozen()
+		if err == nil {
+			o.report("fs", t)
+		}
+		done <- err
+	}()
+	return func() error { return <-done }
+}
+
+// zygotes scans the stopped processes, records them and forks their zygotes.
+func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
+	t := time.Now()
+	var zps []*Proc
+	for _, p := range procs {
+		zp, err := o.scan(p)
+		if err != nil {
+			return err
+		}
+		zps = append(zps, zp)
+		rec.Procs = append(rec.Procs, Proc{Cgroup: zp.Cgroup})
+	}
+	o.report("zygote_scan", t)
+	if err := rec.Write(o.RecordDir); err != nil {
+		return err
+	}
+	t1 := time.Now()
+	for i, p := range procs {
+		if err := capture(p, zps[i]); err != nil {
+			return err
+		}
+		rec.Procs[i] = *zps[i]
+	}
+	o.report("zygote_fork", t1)
+	if err := rec.Write(o.RecordDir); err != nil {
+		return err
+	}
+	o.report("zygotes", t)
+	return nil
 }
 
 // list returns the sandbox's processes, sorted.
@@ -216,7 +237,9 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 	if err == nil {
 		err = sameMappings(p.Pid, z.Pid)
 	}
-	z.SetRegs(p.Regs())
+	regs := p.Regs()
+	zp.Regs = &regs
+	z.SetRegs(regs)
 	if derr := z.Detach(); err == nil {
 		err = derr
 	}

@@ -21,7 +21,12 @@ type SpawnOptions struct {
 	// SetLastPid makes nsPid the next PID of the sandbox's pid namespace (it writes
 	// nsPid-1 to that namespace's ns_last_pid).
 	SetLastPid func(nsPid int) error
-	// Phase, if set, is told how long each phase took ("stop", "fork", "fixups", "park").
+	// Reverted, if set, is called once every process is forked and before the first
+	// fixup, which needs the root as at the checkpoint: it waits for the caller's revert
+	// of the root, run meanwhile. Its error aborts the spawn.
+	Reverted func() error
+	// Phase, if set, is told how long each phase took ("stop", "fork", "reverted",
+	// "fixups", "park").
 	Phase func(name string, d time.Duration)
 
 	// resume moves the next PID back past every PID in use (set by Spawn).
@@ -39,7 +44,8 @@ type SpawnOptions struct {
 //
 // Preconditions: the sandbox's other processes are gone (their PIDs are free), its root
 // holds the checkpoint's files again (reverted in place: the zygotes' descriptors and
-// mappings point at its inodes), and nothing else forks in the sandbox meanwhile.
+// mappings point at its inodes) or will once Reverted returns, and nothing else forks in
+// the sandbox meanwhile.
 func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([]int, error) {
 	var pids []int
 	err := tr.Do(func() error {
@@ -60,6 +66,7 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 			last = max(last, p.NSPid)
 		}
 		o.resume = func() error { return o.SetLastPid(last + 1) }
+		t = time.Now()
 		for i := range r.Procs {
 			pid, err := spawnOne(zs[i], &r.Procs[i], o)
 			if pid > 0 {
@@ -69,6 +76,23 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 				return err
 			}
 		}
+		report(o.Phase, "fork", t)
+		crashPoint("zygote-spawn-forked")
+		if o.Reverted != nil {
+			t = time.Now()
+			if err := o.Reverted(); err != nil {
+				return err
+			}
+			report(o.Phase, "reverted", t)
+		}
+		t = time.Now()
+		for i := range r.Procs {
+			p := &r.Procs[i]
+			if err := fixup(p.spawned, zs[i], p); err != nil {
+				return fmt.Errorf("process %d: %w", p.NSPid, err)
+			}
+		}
+		report(o.Phase, "fixups", t)
 		return nil
 	})
 	if err != nil {
@@ -108,7 +132,10 @@ func report(phase func(string, time.Duration), name string, start time.Time) {
 }
 
 // wake seizes every zygote of r (frozen), thaws its cgroup so that it stops for us
-// instead, and waits for the stops. It returns the zygotes it holds.
+// instead, and waits for the stops. It returns the zygotes it holds, parked
+// (ptrace.Park): thawed, a zygote would run as a copy of its process if cairn died now;
+// parked, it waits in pause(2) for the next rollback (or Settle) to give it its
+// registers back from the record and freeze it again.
 func wake(r *Record) ([]*ptrace.Tracee, error) {
 	zs := make([]*ptrace.Tracee, len(r.Procs))
 	for i, p := range r.Procs {
@@ -123,16 +150,58 @@ func wake(r *Record) ([]*ptrace.Tracee, error) {
 		if err := z.Interrupt(); err != nil {
 			return zs, err
 		}
-		if err := setFreezer(p.Cgroup, "THAWED"); err != nil {
-			return zs, err
-		}
 	}
-	for _, z := range zs {
-		if err := z.Wait(stopTimeout); err != nil {
-			return zs, err
+	// Thawed, a zygote stops for us before it runs an instruction of its own; until it
+	// is parked, a crash would let it run as a copy of its process: a crash window.
+	err := ptrace.Window(func() error {
+		thawed := make([]bool, len(zs))
+		for i, p := range r.Procs {
+			thawed[i] = !frozenCgroup(p.Cgroup)
+			if err := setFreezer(p.Cgroup, "THAWED"); err != nil {
+				return err
+			}
 		}
+		for i, z := range zs {
+			if err := z.Wait(stopTimeout); err != nil {
+				return err
+			}
+			if err := rest(z, &r.Procs[i], thawed[i]); err != nil {
+				return err
+			}
+			if r.Procs[i].Regs != nil {
+				if err := z.Park(); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+	return zs, err
+}
+
+// ErrLost says that a zygote ran code of its own since the checkpoint (a crash of cairn
+// left it thawed, and not parked): it is no longer a copy of its process at the
+// checkpoint, and was killed.
+var ErrLost = errors.New("a zygote ran since its checkpoint and was ended")
+
+// rest gives a zygote stopped for us its registers from the record (its own, even if a
+// Spawn that died parked it). A zygote found in a thawed cgroup must have been parked:
+// otherwise it ran as a copy of its process, and is killed (ErrLost).
+func rest(z *ptrace.Tracee, p *Proc, thawed bool) error {
+	if thawed && !z.Parked() {
+		z.Kill()
+		return fmt.Errorf("process %d: %w", p.NSPid, ErrLost)
 	}
-	return zs, nil
+	if p.Regs != nil {
+		z.SetRegs(*p.Regs)
+	}
+	return nil
+}
+
+// frozenCgroup reports whether a freezer cgroup directory is FROZEN.
+func frozenCgroup(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, "freezer.state"))
+	return err == nil && strings.TrimSpace(string(b)) == "FROZEN"
 }
 
 // park freezes the zygotes (and the processes just forked from them, in the same
@@ -146,8 +215,12 @@ func park(r *Record, zs []*ptrace.Tracee, o SpawnOptions) {
 		}
 		f := filepath.Join(r.Procs[i].Cgroup, "freezer.state")
 		os.WriteFile(f, []byte("FROZEN"), 0)
+		// Stopped by us in a frozen cgroup, each freezes as soon as it is let go: its
+		// own registers can go back now.
+		z.Unpark()
 		z.Detach()
 		if c := r.Procs[i].spawned; c != nil {
+			c.Unpark()
 			c.Detach()
 		}
 	}
@@ -179,32 +252,28 @@ func setFreezer(dir, state string) error {
 	}
 }
 
-// spawnOne forks the process of p from its zygote and makes it right. It returns the new
-// process's host PID as soon as it exists.
+// spawnOne forks the process of p from its zygote, with its PID, session and registers;
+// fixup does the rest. It returns the new process's host PID as soon as it exists.
 func spawnOne(z *ptrace.Tracee, p *Proc, o SpawnOptions) (int, error) {
-	t := time.Now()
 	c, err := forkAs(z, p.NSPid, o)
 	if err != nil {
 		return 0, err
 	}
-	// park detaches it, frozen in the zygote's cgroup.
+	// park detaches it, frozen in the zygote's cgroup; parked until then, like its
+	// zygote, it waits in pause(2) if cairn dies first (a stray, which the next rollback
+	// kills).
 	p.spawned = c
-	fail := func(err error) (int, error) {
+	c.SetRegs(z.Regs())
+	if err := c.Park(); err != nil {
 		unix.Kill(c.Pid, unix.SIGKILL)
 		return c.Pid, err
 	}
-	c.SetRegs(z.Regs())
 	// The zygote leads a session of its own; the process led its own (checked at the
 	// capture): setsid makes it so again, its PID being that of its session and group.
 	if _, err := c.Syscall(unix.SYS_SETSID); err != nil {
-		return fail(fmt.Errorf("setsid: %w", err))
+		unix.Kill(c.Pid, unix.SIGKILL)
+		return c.Pid, fmt.Errorf("setsid: %w", err)
 	}
-	report(o.Phase, "fork", t)
-	t = time.Now()
-	if err := fixup(c, z, p); err != nil {
-		return fail(fmt.Errorf("process %d: %w", p.NSPid, err))
-	}
-	report(o.Phase, "fixups", t)
 	return c.Pid, nil
 }
 
@@ -218,14 +287,21 @@ const pidTries = 40
 // another PID is killed and the fork tried again, a little later each time.
 func forkAs(z *ptrace.Tracee, nsPid int, o SpawnOptions) (*ptrace.Tracee, error) {
 	for try := 1; ; try++ {
-		if err := o.SetLastPid(nsPid); err != nil {
-			return nil, fmt.Errorf("next PID %d: %w", nsPid, err)
-		}
-		c, err := z.Fork(unix.CLONE_PARENT)
-		if rerr := o.resume(); err == nil && rerr != nil {
-			c.Kill()
-			return nil, fmt.Errorf("next PID: %w", rerr)
-		}
+		// A crash window: a crash between the two settings of the next PID would leave
+		// it at nsPid, for the next thread of init to take.
+		var c *ptrace.Tracee
+		err := ptrace.Window(func() error {
+			if err := o.SetLastPid(nsPid); err != nil {
+				return fmt.Errorf("next PID %d: %w", nsPid, err)
+			}
+			var err error
+			c, err = z.Fork(unix.CLONE_PARENT)
+			if rerr := o.resume(); err == nil && rerr != nil {
+				c.Kill()
+				return fmt.Errorf("next PID: %w", rerr)
+			}
+			return err
+		})
 		if err != nil {
 			return nil, err
 		}
@@ -428,4 +504,77 @@ func (r *Record) Zygotes() []isolation.Proc {
 		out = append(out, p.Zygote)
 	}
 	return out
+}
+
+// Settle brings the zygotes of r back to rest after a crash in the middle of a Spawn:
+// processes forked from them and never released (strays, in a zygote's cgroup) are
+// killed, and a zygote whose cgroup is thawed, parked in pause(2), gets its registers
+// back from the record and is frozen again. It does nothing to zygotes at rest, and
+// must not run beside a Spawn of the same record (the caller's lock).
+func Settle(tr *ptrace.Tracer, r *Record) error {
+	for _, p := range r.Procs {
+		var strays []int
+		for _, pid := range cgroupPids(p.Cgroup) {
+			if pid != p.Zygote.Pid {
+				strays = append(strays, pid)
+			}
+		}
+		Discard(strays)
+		if frozenCgroup(p.Cgroup) || !p.Zygote.Alive() {
+			continue
+		}
+		if p.Regs == nil {
+			return fmt.Errorf("zygote of process %d is thawed and its record has no registers to give it back", p.NSPid)
+		}
+		err := tr.Do(func() error {
+			z, err := ptrace.Seize(p.Zygote.Pid)
+			if err != nil {
+				return err
+			}
+			if err := z.Interrupt(); err != nil {
+				return err
+			}
+			if err := z.Wait(stopTimeout); err != nil {
+				tr.Forget(z)
+				return err
+			}
+			if err := rest(z, &p, true); err != nil {
+				return err
+			}
+			if err := os.WriteFile(filepath.Join(p.Cgroup, "freezer.state"), []byte("FROZEN"), 0); err != nil {
+				z.Detach()
+				return err
+			}
+			return z.Detach()
+		})
+		if err != nil {
+			return fmt.Errorf("settle the zygote of process %d: %w", p.NSPid, err)
+		}
+		if err := setFreezer(p.Cgroup, "FROZEN"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// cgroupPids lists the tasks of a freezer cgroup directory.
+func cgroupPids(dir string) []int {
+	b, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	var out []int
+	for _, f := range strings.Fields(string(b)) {
+		if pid, err := strconv.Atoi(f); err == nil {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// crashPoint kills the process when CAIRN_TEST_CRASH_AT names this point, so that tests
+// can prove a crash there recoverable: after the forks of a Spawn, the zygotes and their
+// new copies parked (the engine's points name the rest).
+func crashPoint(name string) {
+	if os.Getenv("CAIRN_TEST_CRASH_AT") == name {
+		unix.Kill(os.Getpid(), unix.SIGKILL)
+		select {}
+	}
 }

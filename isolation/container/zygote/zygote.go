@@ -45,6 +45,8 @@ import (
 	"os"
 	"path/filepath"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
 )
@@ -83,6 +85,10 @@ type Proc struct {
 	Maps           []Map `json:"maps,omitempty"`
 	PdeathSig      int   `json:"pdeath_sig,omitempty"`
 	ChildSubreaper bool  `json:"child_subreaper,omitempty"`
+	// Regs are the process's registers at the checkpoint, its zygote's own: a zygote
+	// that a crash left parked (Spawn) gets them back from here (Settle, Spawn). Records
+	// written before they were kept lack them.
+	Regs *unix.PtraceRegs `json:"regs,omitempty"`
 
 	// spawned is the process Spawn forked from the zygote, until park detaches it.
 	spawned *ptrace.Tracee
