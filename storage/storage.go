@@ -83,6 +83,11 @@ type RevertStats struct {
 	// unlinks, creations, attribute and data updates). 0 means there was no difference
 	// to apply; a Revert right after another may still set times again.
 	Ops int
+	// Skipped counts the attribute updates of the difference (mode, owner, times) that
+	// live already had: they are not applied, since applying them would move the
+	// inode's change time, which no call can set back, and the inode would then differ
+	// from every snapshot taken before, in every later difference.
+	Skipped int
 	// ClonedBytes is the file data shared from the snapshot by reflink (no copy);
 	// CopiedBytes what had to be copied (block-unaligned edges, or where the
 	// filesystem refused a clone).

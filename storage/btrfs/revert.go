@@ -234,6 +234,7 @@ type applier struct {
 	st             *storage.RevertStats
 	stopAfter      int
 	applied        int // stream commands applied
+	skipped        bool // the command being applied found nothing to change
 
 	// dirs are open directories of live by path relative to it. An entry stays valid
 	// until that path or one of its ancestors is renamed or removed (forget).
@@ -304,10 +305,15 @@ func (a *applier) apply(ctx context.Context, cmds []*sendCommand) error {
 			return errStopped
 		}
 		a.trimDirs()
+		a.skipped = false
 		if err := a.do(c); err != nil {
 			return fmt.Errorf("%s: %w", c, err)
 		}
-		a.st.Ops++
+		if a.skipped {
+			a.st.Skipped++
+		} else {
+			a.st.Ops++
+		}
 		a.applied++
 	}
 	return a.fixDirTimes(ctx)
@@ -646,8 +652,13 @@ func (a *applier) xattr(c *sendCommand, p string) error {
 }
 
 // setattr applies CHMOD, CHOWN or UTIMES. The kernel orders CHOWN before CHMOD, since
-// a change of owner clears the set-user-ID and set-group-ID bits.
+// a change of owner clears the set-user-ID and set-group-ID bits. An attribute live
+// already has is left alone (a.skipped): the kernel sends them for every inode whose
+// item changed, a change time alone included, and setting them would move the change
+// time again.
 func (a *applier) setattr(c *sendCommand, p string) error {
+	var cur unix.Stat_t
+	stat := func(d int, b string, nofollow int) error { return unix.Fstatat(d, b, &cur, nofollow) }
 	switch c.cmd {
 	case sendCmdChmod:
 		mode, err := c.u64(sendAttrMode)
@@ -655,6 +666,10 @@ func (a *applier) setattr(c *sendCommand, p string) error {
 			return err
 		}
 		return a.at(p, func(d int, b string, nofollow int) error {
+			if stat(d, b, nofollow) == nil && cur.Mode&0o7777 == uint32(mode&0o7777) {
+				a.skipped = true
+				return nil
+			}
 			return unix.Fchmodat(d, b, uint32(mode&0o7777), nofollow) // fchmodat2
 		})
 	case sendCmdChown:
@@ -667,6 +682,10 @@ func (a *applier) setattr(c *sendCommand, p string) error {
 			return err
 		}
 		return a.at(p, func(d int, b string, nofollow int) error {
+			if stat(d, b, nofollow) == nil && uint64(cur.Uid) == uid && uint64(cur.Gid) == gid {
+				a.skipped = true
+				return nil
+			}
 			return unix.Fchownat(d, b, int(uid), int(gid), nofollow)
 		})
 	default:
@@ -679,6 +698,10 @@ func (a *applier) setattr(c *sendCommand, p string) error {
 			return err
 		}
 		return a.at(p, func(d int, b string, nofollow int) error {
+			if stat(d, b, nofollow) == nil && cur.Atim == at && cur.Mtim == mt {
+				a.skipped = true
+				return nil
+			}
 			return unix.UtimesNanoAt(d, b, []unix.Timespec{at, mt}, nofollow)
 		})
 	}

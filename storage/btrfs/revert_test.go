@@ -13,6 +13,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
@@ -726,6 +727,49 @@ func TestRevertTwice(t *testing.T) {
 	t.Logf("%+v", st)
 	checkReverted(t, p, live, snap, before)
 	checkWritable(t, p, live)
+}
+
+// TestRevertAgainSetsNothing reverts twice in a row: the second difference still names
+// every inode the first one changed (their change times differ from the snapshot's for
+// good), but finds their attributes already right, so it changes nothing, and leaves
+// their change times where they were.
+func TestRevertAgainSetsNothing(t *testing.T) {
+	p := newPool(t)
+	ctx := context.Background()
+	live, snap := newRevertPair(t, p, "again")
+	l := p.Path(live)
+	// Changes to files the snapshot has, in place (a recreated file would be recreated
+	// again by every Revert: its inode is not the snapshot's).
+	writeAt(t, l+"/big.db", 4096, fill(4096, 'Q'))
+	must(t, os.Chmod(l+"/etc/passwd", 0o600))
+	must(t, os.Chtimes(l+"/home/u/deep/a/b/c.txt", time.Unix(1, 0), time.Unix(2, 0)))
+	must(t, os.Chown(l+"/home/u", 4242, 4242))
+	st, err := p.Revert(ctx, live, snap)
+	must(t, err)
+	if st.Ops == 0 {
+		t.Fatal("the first Revert applied nothing")
+	}
+	ctimes := func() map[string]unix.Timespec {
+		out := map[string]unix.Timespec{}
+		filepath.WalkDir(l, func(path string, d fs.DirEntry, err error) error {
+			var s unix.Stat_t
+			if err == nil && unix.Lstat(path, &s) == nil {
+				out[path] = s.Ctim
+			}
+			return nil
+		})
+		return out
+	}
+	before := ctimes()
+	st, err = p.Revert(ctx, live, snap)
+	must(t, err)
+	if st.Ops != 0 || st.Skipped == 0 {
+		t.Fatalf("second Revert: %d operations applied, %d skipped; want none applied, some skipped (the attributes of what the first changed)", st.Ops, st.Skipped)
+	}
+	if diff := cmp.Diff(before, ctimes()); diff != "" {
+		t.Fatalf("the second Revert moved change times (-before +after):\n%s", diff)
+	}
+	checkReverted(t, p, live, snap, inodes(t, l))
 }
 
 // TestRevertToRollbackSource reverts a volume that is itself a writable snapshot of the
