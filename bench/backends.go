@@ -59,7 +59,7 @@ func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, 
 		o := opts
 		o.Baselines = opts.Baselines && i == 0
 		b := &runner{e: e, opts: o, iso: iso, rng: rand.New(rand.NewPCG(opts.Seed, 1)),
-			rep: &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC(), Seed: opts.Seed},
+			rep:    &Report{Workload: o.Workload, Iterations: o.Iterations, StartedAt: time.Now().UTC(), Seed: opts.Seed},
 			phases: map[string][]float64{}, rbPhases: map[string][]float64{}}
 		b.rep.Machine = machineInfo()
 		b.rep.Machine.MemoryWarmup = warmup

@@ -233,7 +233,7 @@ type applier struct {
 	block          int64 // the filesystem's sector size: FICLONERANGE's alignment
 	st             *storage.RevertStats
 	stopAfter      int
-	applied        int // stream commands applied
+	applied        int  // stream commands applied
 	skipped        bool // the command being applied found nothing to change
 
 	// dirs are open directories of live by path relative to it. An entry stays valid
