@@ -63,6 +63,7 @@ func Run(t *testing.T, h Harness) {
 		{"ManyRollbacks", testManyRollbacks},
 		{"ResidentPaths", testResidentPaths},
 		{"CrashMidRollback", testCrashRollback},
+		{"ZygotesSealed", testZygotesSealed},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, h) })

@@ -148,3 +148,60 @@ func testCrashRollback(t *testing.T, h Harness) {
 		})
 	}
 }
+
+// sealedProbe lists, from inside a sandbox, every other python3 REPL process and
+// whether its memory map can be read: "<pid> readable" or "<pid> denied".
+const sealedProbe = `
+import os
+for pid in sorted(os.listdir("/proc")):
+    if not pid.isdigit() or int(pid) in (1, os.getpid()):
+        continue
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        continue
+    if cmd[:2] != [b"python3", b"-i"]:
+        continue
+    try:
+        open(f"/proc/{pid}/maps").read()
+        print(pid, "readable")
+    except OSError:
+        print(pid, "denied")
+`
+
+// testZygotesSealed: a zygote holds the sandbox's state at its checkpoint, which a
+// rollback to another branch must not reveal to the sandbox; its processes (no
+// CAP_SYS_PTRACE) cannot read a zygote's memory or its /proc entries, since zygotes are
+// not dumpable, while the processes forked from a zygote are as dumpable as the
+// originals were.
+func testZygotesSealed(t *testing.T, h Harness) {
+	if !h.Resident {
+		t.Skip("the engine keeps no checkpoint resident")
+	}
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, "x = 1")
+	ck := checkpoint(t, h, id, "sealed")
+	wantResident(t, h, ck)
+	probe := func(when string) {
+		t.Helper()
+		_, out, _ := run(t, h, id, "python3", "-c", sealedProbe)
+		readable, denied := 0, 0
+		for _, l := range strings.Split(strings.TrimSpace(out), "\n") {
+			switch {
+			case strings.HasSuffix(l, " readable"):
+				readable++
+			case strings.HasSuffix(l, " denied"):
+				denied++
+			}
+		}
+		if readable != 1 || denied < 1 {
+			t.Fatalf("%s: the REPL's processes seen from inside:\n%s\nwant the REPL itself readable and its zygote(s) denied", when, out)
+		}
+	}
+	probe("after the checkpoint")
+	ask(t, h, id, p, "x = 2")
+	rollback(t, h, id, ck)
+	want(t, "REPL after rollback", ask(t, h, id, p, "print(x)"), "1")
+	probe("after a rollback through the zygote")
+}

@@ -123,6 +123,9 @@ type Spec struct {
 	PdeathSig int
 	// ChildSubreaper is prctl PR_GET_CHILD_SUBREAPER: fork clears it too.
 	ChildSubreaper bool
+	// Dumpable, if set, is prctl PR_GET_DUMPABLE (0 or 1): the dump's is its copy's,
+	// which may differ (a zygote is made non-dumpable).
+	Dumpable *int
 }
 
 // File is one descriptor: its path, status flags as in /proc/PID/fdinfo (octal there:
@@ -238,6 +241,9 @@ func (s *Spec) check() error {
 	}
 	if s.PdeathSig < 0 || s.PdeathSig > 64 {
 		return invalid("Spec.PdeathSig %d is not a signal", s.PdeathSig)
+	}
+	if s.Dumpable != nil && *s.Dumpable != 0 && *s.Dumpable != 1 {
+		return invalid("Spec.Dumpable %d: give 0 or 1 (what prctl(PR_SET_DUMPABLE) takes)", *s.Dumpable)
 	}
 	return nil
 }

@@ -164,8 +164,8 @@ func TestApply(t *testing.T) {
 			t.Cleanup(func() { killPid(z) })
 			spec, pipes := record(t, p.pid)
 			r := p.report()
-			spec.PdeathSig, spec.ChildSubreaper = r.Pdeath, r.Subreaper == 1
-			if spec.PdeathSig != int(pdeathSig) || !spec.ChildSubreaper || len(spec.Locks) != 2 || r.Owner != p.pid {
+			spec.PdeathSig, spec.ChildSubreaper, spec.Dumpable = r.Pdeath, r.Subreaper == 1, &r.Dumpable
+			if spec.PdeathSig != int(pdeathSig) || !spec.ChildSubreaper || r.Dumpable != 1 || len(spec.Locks) != 2 || r.Owner != p.pid {
 				t.Fatalf("the process under test is not set up: %+v", spec)
 			}
 			p.mutate(tt.mutate)
@@ -240,8 +240,12 @@ func checkRestored(t *testing.T, p *proc, spec Spec, r report, pipes map[int][]b
 	if st := stat(spec.Pid); len(st) < 4 || st[0] == "T" || st[2] != pid || st[3] != pid {
 		t.Errorf("restored /proc/%d/stat: state, ppid, pgrp, session... %v; want running, leading its group and session", spec.Pid, st)
 	}
+	// The zygote that was dumped is not dumpable; the process is again.
+	if spec.Dumpable != nil && got.Dumpable != *spec.Dumpable {
+		t.Errorf("restored process is dumpable %d, want %d (the recorded process's, not its zygote's)", got.Dumpable, *spec.Dumpable)
+	}
 	after, afterPipes := record(t, spec.Pid)
-	after.PdeathSig, after.ChildSubreaper = got.Pdeath, got.Subreaper == 1
+	after.PdeathSig, after.ChildSubreaper, after.Dumpable = got.Pdeath, got.Subreaper == 1, spec.Dumpable
 	if diff := cmp.Diff(normalize(spec), normalize(after)); diff != "" {
 		t.Errorf("restored process differs from the recorded one (-recorded +restored):\n%s", diff)
 	}

@@ -215,13 +215,16 @@ def serve():
             if op == "fork":
                 pid = os.fork()
                 if pid == 0:
-                    # The zygote: stopped until dumped. Restored, it goes on from here
-                    # and serves as the process it is a copy of.
+                    # The zygote: not dumpable (as cairn makes its zygotes), stopped until
+                    # dumped. Restored, it goes on from here and serves as the process it
+                    # is a copy of.
+                    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
                     os.kill(os.getpid(), signal.SIGSTOP)
                     continue
                 reply(cmd["out"], {"child": pid})
             elif op == "report":
                 reply(cmd["out"], {"pid": os.getpid(), "pdeath": prctl_get(2),
+                                   "dumpable": libc.prctl(3, 0, 0, 0, 0),
                                    "subreaper": prctl_get(37), "pdeath_received": received[0],
                                    "owner": fcntl.fcntl(a["data"], fcntl.F_GETOWN)})
             elif op == "mutate":
@@ -393,6 +396,7 @@ type report struct {
 	Pid            int `json:"pid"`
 	Pdeath         int `json:"pdeath"`
 	Subreaper      int `json:"subreaper"`
+	Dumpable       int `json:"dumpable"`
 	PdeathReceived int `json:"pdeath_received"`
 	Owner          int `json:"owner"` // F_GETOWN of the data file's descriptor
 }

@@ -6,6 +6,7 @@ import (
 	"github.com/checkpoint-restore/go-criu/v8/crit"
 	criu_core "github.com/checkpoint-restore/go-criu/v8/crit/images/criu-core"
 	file_lock "github.com/checkpoint-restore/go-criu/v8/crit/images/file-lock"
+	"github.com/checkpoint-restore/go-criu/v8/crit/images/mm"
 	"github.com/checkpoint-restore/go-criu/v8/crit/images/pstree"
 	"github.com/checkpoint-restore/go-criu/v8/crit/images/siginfo"
 	"github.com/checkpoint-restore/go-criu/v8/crit/images/tty"
@@ -24,7 +25,7 @@ const (
 )
 
 // fixTask renames the task in pstree.img and makes its core the recorded process's:
-// running, with its parent-death signal and child-subreaper flag.
+// running, with its parent-death signal, child-subreaper flag and dumpable setting.
 func (d *dump) fixTask(s Spec) error {
 	pid := d.newPid
 	t := d.pstree.entries[0].Message.(*pstree.PstreeEntry)
@@ -45,6 +46,11 @@ func (d *dump) fixTask(s Spec) error {
 	tc.TaskState, tc.StopSigno = &alive, nil
 	th.PdeathSig = &pdeath
 	tc.ChildSubreaper = &subreaper
+	if s.Dumpable != nil {
+		v := int32(*s.Dumpable)
+		d.mm.entries[0].Message.(*mm.MmEntry).Dumpable = &v
+		d.mm.changed = true
+	}
 	// A SIGSTOP still pending when CRIU seized the task (sent to stop it for the dump)
 	// would stop it again once restored. Fork clears pending signals: the dump's were
 	// sent to the zygote, so dropping one loses nothing of the recorded process.

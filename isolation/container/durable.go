@@ -121,7 +121,7 @@ func holdCRIU(cgroup string) (func(), error) {
 
 // specOf is what the images of p's zygote must become.
 func specOf(p zygote.Proc) fixup.Spec {
-	s := fixup.Spec{Pid: p.NSPid, Cwd: p.Cwd.Path, Exe: p.Exe, PdeathSig: p.PdeathSig, ChildSubreaper: p.ChildSubreaper}
+	s := fixup.Spec{Pid: p.NSPid, Cwd: p.Cwd.Path, Exe: p.Exe, PdeathSig: p.PdeathSig, ChildSubreaper: p.ChildSubreaper, Dumpable: p.Dumpable}
 	for _, f := range p.Fds {
 		switch f.Kind {
 		case zygote.KindPipe:

@@ -223,6 +223,13 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 		z.Detach()
 		return fmt.Errorf("setsid in the zygote of %d: %w", p.Pid, err)
 	}
+	// Not dumpable: the sandbox's processes can then neither read its memory nor open
+	// its /proc entries (they lack CAP_SYS_PTRACE), nor ptrace it.
+	if _, err := z.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, 0); err != nil {
+		unix.Kill(z.Pid, unix.SIGKILL)
+		z.Detach()
+		return fmt.Errorf("prctl in the zygote of %d: %w", p.Pid, err)
+	}
 	// Into the frozen cgroup before it gets the process's registers: from Detach on, it
 	// freezes before it runs an instruction (and if cairn dies, the kernel detaches it
 	// into the freezer too).
@@ -299,6 +306,16 @@ func inherited(p *ptrace.Tracee, zp *Proc) error {
 		return err
 	}
 	zp.PdeathSig, zp.ChildSubreaper = int(v[0]), v[1] != 0
+	d, err := p.Syscall(unix.SYS_PRCTL, unix.PR_GET_DUMPABLE)
+	if err != nil {
+		return fmt.Errorf("prctl in %d: %w", p.Pid, err)
+	}
+	if d > 1 {
+		// SUID_DUMP_ROOT, which prctl cannot set again.
+		return ineligible("process %d is dumpable by root only (suid_dumpable)", p.Pid)
+	}
+	dumpable := int(d)
+	zp.Dumpable = &dumpable
 	if zp.PdeathSig != 0 {
 		// CRIU restores it while CRIU is the parent, which then exits: the signal would
 		// be delivered at once to the process restored from the durable copy.

@@ -367,6 +367,12 @@ func fixup(c, z *ptrace.Tracee, p *Proc) error {
 			return fmt.Errorf("parent-death signal: %w", err)
 		}
 	}
+	if p.Dumpable != nil && *p.Dumpable != 0 {
+		// The zygote is not dumpable; its copy is the process again.
+		if _, err := c.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, uintptr(*p.Dumpable)); err != nil {
+			return fmt.Errorf("dumpable: %w", err)
+		}
+	}
 	if p.ChildSubreaper {
 		if _, err := c.Syscall(unix.SYS_PRCTL, unix.PR_SET_CHILD_SUBREAPER, 1); err != nil {
 			return fmt.Errorf("child subreaper: %w", err)

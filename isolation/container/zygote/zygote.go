@@ -85,6 +85,12 @@ type Proc struct {
 	Maps           []Map `json:"maps,omitempty"`
 	PdeathSig      int   `json:"pdeath_sig,omitempty"`
 	ChildSubreaper bool  `json:"child_subreaper,omitempty"`
+	// Dumpable is the process's prctl(PR_GET_DUMPABLE) (0 or 1), which Spawn gives back
+	// to its copies: a zygote is made non-dumpable, so that the sandbox's processes
+	// (no CAP_SYS_PTRACE) can read neither its memory nor its /proc entries — it holds
+	// the sandbox's state at the checkpoint, which a rollback elsewhere must not reveal.
+	// Records written before lack it (their zygotes are dumpable).
+	Dumpable *int `json:"dumpable,omitempty"`
 	// Regs are the process's registers at the checkpoint, its zygote's own: a zygote
 	// that a crash left parked (Spawn) gets them back from here (Settle, Spawn). Records
 	// written before they were kept lack them.
