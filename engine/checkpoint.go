@@ -16,6 +16,7 @@ import (
 	"github.com/cairn-sandbox/cairn/internal/phase"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/storage"
 )
 
 // Where checkpoints live: the filesystem half is the pool volume checkpoints/<id>, the
@@ -37,10 +38,12 @@ const MaxFork = 256
 // CheckpointOptions are the options of Checkpoint.
 type CheckpointOptions struct {
 	Label string
-	// Durable makes Checkpoint return only once the checkpoint is on disk whole: a
-	// resident checkpoint (zygotes) is otherwise held in memory until its durable copy
-	// is written in the background, a fraction of a second later, and a crash of the
-	// machine in between loses it (a crash of cairn does not).
+	// Durable makes Checkpoint return only once the checkpoint is on disk whole and
+	// survives a crash of the machine: a resident checkpoint (zygotes) is otherwise held
+	// in memory until its durable copy is written in the background, a fraction of a
+	// second later, and the filesystem's commit and the metadata's sync come later still
+	// (btrfs commits every 30 s); a crash of the machine in between loses it, which
+	// recovery reports and deletes (a crash of cairn loses nothing).
 	Durable bool
 }
 
@@ -101,7 +104,9 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	hooks := isolation.Hooks{Phase: record, Frozen: func(ctx context.Context) error {
 		crashPoint("checkpoint-stopped")
 		t := time.Now()
-		err := e.pool.Snapshot(ctx, sb.Root, stagedFS, true)
+		// Not durable across a crash of the machine at once: the row written next is not
+		// either (synchronous=NORMAL), and Durable syncs both (syncCheckpoint).
+		err := e.snapshotLazy(ctx, sb.Root, stagedFS, true)
 		record("fs_snapshot", time.Since(t))
 		if err == nil {
 			crashPoint("checkpoint-frozen")
@@ -191,12 +196,42 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 			if err := e.ensureDurable(ctx, ck); err != nil {
 				return nil, err
 			}
+			return ck, e.syncCheckpoint(ctx, ck)
 		}
 		return ck, nil
 	}
 	e.refill(ck, e.cfg.Standbys)
 	e.compactLater(ck)
+	if opts.Durable {
+		return ck, e.syncCheckpoint(ctx, ck)
+	}
 	return ck, nil
+}
+
+// snapshotLazy is the pool's SnapshotLazy where it has one, else its Snapshot. What it
+// makes need not survive a crash of the machine on its own: a checkpoint's filesystem is
+// recorded by a row that is not synced either (Durable syncs both, recoverLost deletes a
+// row whose filesystem a crash took), and a sandbox's root is replaced on resume (the
+// crash ended its processes).
+func (e *Engine) snapshotLazy(ctx context.Context, src, dst string, readonly bool) error {
+	if l, ok := e.pool.(storage.LazySnapshotter); ok {
+		return l.SnapshotLazy(ctx, src, dst, readonly)
+	}
+	return e.pool.Snapshot(ctx, src, dst, readonly)
+}
+
+// syncCheckpoint makes a checkpoint durable across a crash of the machine: its
+// filesystem's name (published by a lazy snapshot and a rename), its row, and its images
+// (synced when written). Without it a machine crash may lose the latest checkpoints,
+// which recovery then deletes (recoverLost).
+func (e *Engine) syncCheckpoint(ctx context.Context, ck *model.Checkpoint) error {
+	if err := e.pool.Sync(ctx, ck.FSVolume); err != nil {
+		return fmt.Errorf("checkpoint %s: sync its filesystem: %w", ck.ID, err)
+	}
+	if err := e.db.Sync(ctx); err != nil {
+		return fmt.Errorf("checkpoint %s: sync its record: %w", ck.ID, err)
+	}
+	return nil
 }
 
 // crashPoint kills the process when CAIRN_TEST_CRASH_AT names this point, so tests can
@@ -345,7 +380,7 @@ func (e *Engine) Rollback(ctx context.Context, id, checkpointID string) error {
 	}
 	newRoot := rootVolume(id)
 	// The new root is ready before the old tree stops, to keep the gap short.
-	if err := e.pool.Snapshot(ctx, ck.FSVolume, newRoot, false); err != nil {
+	if err := e.snapshotLazy(ctx, ck.FSVolume, newRoot, false); err != nil {
 		return err
 	}
 	isb := e.isb(sb)
@@ -464,7 +499,7 @@ func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sa
 		e.refill(ck, 1)
 		return sb, nil
 	}
-	if err := e.pool.Snapshot(ctx, ck.FSVolume, sb.Root, false); err != nil {
+	if err := e.snapshotLazy(ctx, ck.FSVolume, sb.Root, false); err != nil {
 		return nil, err
 	}
 	if err := writeIdentity(e.pool.Path(sb.Root), id); err != nil {

@@ -2,7 +2,9 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path"
 	"path/filepath"
@@ -38,10 +40,39 @@ func (e *Engine) recover(ctx context.Context) error {
 		}
 	}
 	e.recoverStandbys(ctx)
+	e.recoverLost(ctx)
 	_, err = e.sweep(ctx, false)
 	e.recoverImages(ctx)
 	e.recoverResidents(ctx)
 	return err
+}
+
+// recoverLost deletes the checkpoints whose filesystem is gone: a crash of the machine
+// took it (a checkpoint's snapshot is published lazily, durable only once the pool is
+// synced: Durable checkpoints are, and the others within btrfs's commit interval) while
+// its row survived. Its children, if any survived, are re-parented onto its parent, and a
+// sandbox whose head it was gets that parent as head.
+func (e *Engine) recoverLost(ctx context.Context) {
+	cks, err := e.db.Checkpoints(ctx)
+	if err != nil {
+		return
+	}
+	if _, err := os.Stat(e.pool.Path(checkpointsDir)); err != nil {
+		return // no checkpoint directory at all: nothing to judge by
+	}
+	var lost []string
+	for _, ck := range cks {
+		// Only a name that is certainly gone (not an unreadable one) counts as lost.
+		if _, err := os.Lstat(e.pool.Path(ck.FSVolume)); ck.FSVolume != "" && errors.Is(err, fs.ErrNotExist) {
+			e.cfg.Logf("checkpoint %s of sandbox %s lost its filesystem (%s) in a crash of the machine; deleting it", ck.ID, ck.SandboxID, ck.FSVolume)
+			lost = append(lost, ck.ID)
+		}
+	}
+	if len(lost) > 0 {
+		if err := e.deleteCheckpoints(ctx, lost); err != nil {
+			e.cfg.Logf("delete lost checkpoints: %v", err)
+		}
+	}
 }
 
 // Recoverer is an optional ability of an isolation backend: undoing what a checkpoint

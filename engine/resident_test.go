@@ -252,3 +252,49 @@ func inPlaceCrashChild(t *testing.T) {
 	}
 	t.Fatal("no crash at durable-rollback-killed")
 }
+
+// TestRecoverLostCheckpoint: a checkpoint whose filesystem a crash of the machine took
+// (its snapshot is published lazily) while its row survived is deleted by the next
+// engine's recovery; the sandbox's head goes back to its parent, which still rolls back.
+func TestRecoverLostCheckpoint(t *testing.T) {
+	e := testenv.Engine(t)
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	r.ask("x = 1")
+	c1, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{Durable: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.ask("x = 2")
+	c2, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.Quiesce()
+	// What the crash leaves: c2's row, not its filesystem.
+	if out, err := exec.Command("btrfs", "subvolume", "delete", e.PoolPath(c2.FSVolume)).CombinedOutput(); err != nil {
+		t.Fatalf("delete %s: %v: %s", c2.FSVolume, err, out)
+	}
+	e2, err := engine.Open(ctx, testenv.Config(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e2.Close()
+	if _, err := e2.GetCheckpoint(ctx, c2.ID); err == nil {
+		t.Fatalf("checkpoint %s, whose filesystem is gone, is still listed", c2.ID)
+	}
+	got, err := e2.Get(ctx, sb.ID)
+	if err != nil || got.Head != c1.ID {
+		t.Fatalf("sandbox after recovery: %+v, %v; want head %s", got, err, c1.ID)
+	}
+	if left := e2.Leftovers(); len(left) > 0 {
+		t.Fatalf("leftovers after recovery: %v", left)
+	}
+	if err := e2.Rollback(ctx, sb.ID, c1.ID); err != nil {
+		t.Fatal(err)
+	}
+	r.e = e2
+	if got := r.ask("print(x)"); got != "1" {
+		t.Fatalf("REPL after rollback to %s: %q, want 1", c1.ID, got)
+	}
+}

@@ -46,7 +46,7 @@ func (e *Engine) Create(ctx context.Context, opts model.CreateOptions) (*model.S
 		Hostname: id, Labels: opts.Labels, Limits: opts.Limits, CreatedAt: time.Now().UTC(),
 		Root: rootVolume(id),
 	}
-	if err := e.pool.Snapshot(ctx, tmpl.Volume, sb.Root, false); err != nil {
+	if err := e.snapshotLazy(ctx, tmpl.Volume, sb.Root, false); err != nil {
 		return nil, err
 	}
 	if err := writeIdentity(e.pool.Path(sb.Root), id); err != nil {

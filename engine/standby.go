@@ -194,7 +194,7 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 	}
 	defer unlock()
 	root := path.Join(standbyDir, sid)
-	if err := e.pool.Snapshot(ctx, ck.FSVolume, root, false); err != nil {
+	if err := e.snapshotLazy(ctx, ck.FSVolume, root, false); err != nil {
 		if _, err2 := e.db.Checkpoint(ctx, ck.ID); errors.Is(err2, errdefs.ErrNotFound) {
 			return nil // deleted since the check above
 		}

@@ -37,6 +37,15 @@ type Pool interface {
 	Close() error
 }
 
+// LazySnapshotter is implemented by pools that can publish a snapshot without making it
+// durable across a crash of the machine at once: SnapshotLazy is Snapshot but for that,
+// which the next Sync of the pool's filesystem gives (or the filesystem's own periodic
+// commit): one flush for many snapshots, none on the caller's critical path. A crash of
+// the caller's process loses nothing either way. Callers find it by type assertion.
+type LazySnapshotter interface {
+	SnapshotLazy(ctx context.Context, src, dst string, readonly bool) error
+}
+
 // Reverter is implemented by pools that can bring a writable volume back to the content
 // of one of its read-only snapshots in place, instead of replacing it by a new snapshot.
 // Callers find it by type assertion on a Pool.

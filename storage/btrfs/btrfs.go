@@ -28,7 +28,10 @@
 //     renames it to dst with renameat2(RENAME_NOREPLACE) and fsyncs the parent, which
 //     makes the rename durable before Snapshot returns. A crash in between leaves only a
 //     ".tmp-" name, which Recover deletes. The same directory is required because rename
-//     cannot cross subvolumes (EXDEV).
+//     cannot cross subvolumes (EXDEV). SnapshotLazy leaves out the fsync (a second
+//     transaction commit): after a crash of the machine before the next Sync or btrfs's
+//     periodic commit the snapshot may be under its temporary name, or absent; a crash
+//     of the process loses nothing.
 //   - Delete unlinks the subvolume (the kernel frees its extents in the background). It
 //     is not made durable: after a crash a deleted volume may reappear, and the caller's
 //     garbage collection must tolerate that. Volumes nested in the deleted one are deleted

@@ -256,12 +256,19 @@ func TestSnapshot(t *testing.T) {
 	for _, tc := range []struct {
 		dst      string
 		readonly bool
+		lazy     bool // SnapshotLazy: the same, but for the durability of the name
 	}{
-		{"checkpoints/c1/fs", true},
-		{"roots/rw", false},
+		{"checkpoints/c1/fs", true, false},
+		{"roots/rw", false, false},
+		{"checkpoints/c2/fs", true, true},
+		{"roots/lazy", false, true},
 	} {
 		t.Run(tc.dst, func(t *testing.T) {
-			must(t, p.Snapshot(ctx, "roots/src", tc.dst, tc.readonly))
+			if tc.lazy {
+				must(t, p.SnapshotLazy(ctx, "roots/src", tc.dst, tc.readonly))
+			} else {
+				must(t, p.Snapshot(ctx, "roots/src", tc.dst, tc.readonly))
+			}
 			if !p.Exists(tc.dst) {
 				t.Fatalf("Exists(%q) = false after Snapshot", tc.dst)
 			}
