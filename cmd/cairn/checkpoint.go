@@ -23,7 +23,9 @@ simple (files, pipes; no sockets, terminals or threads) are checkpointed residen
 process forks a frozen copy-on-write copy of itself (a zygote), so no memory is copied,
 and a rollback of the sandbox forks the processes again from the zygotes. The
 checkpoint's durable copy (CRIU images written from the zygotes) follows in the
-background; --durable waits for it. Other sandboxes are dumped with CRIU. ` + "`cairn inspect CHECKPOINT`" + `
+background; --durable waits for it and syncs, so that the checkpoint survives a crash
+of the machine (without it the latest checkpoints may not, and cairn reports and deletes
+what such a crash took at its next start). Other sandboxes are dumped with CRIU. ` + "`cairn inspect CHECKPOINT`" + `
 says which path a checkpoint took and why.
 
 The new checkpoint becomes the sandbox's head: its parent is the previous head, so the
@@ -49,6 +51,6 @@ with ` + "`cairn rollback`" + `, fork it with ` + "`cairn fork`" + `, delete it 
 		},
 	}
 	cmd.Flags().StringVarP(&opts.Label, "label", "l", "", "a label for the checkpoint (free text, up to 256 bytes)")
-	cmd.Flags().BoolVar(&opts.Durable, "durable", false, "return only once the checkpoint is on disk whole (a resident checkpoint is otherwise written to disk in the background, a fraction of a second later)")
+	cmd.Flags().BoolVar(&opts.Durable, "durable", false, "return only once the checkpoint is on disk whole and synced, so that it survives a crash of the machine (a resident checkpoint is otherwise written to disk in the background, a fraction of a second later)")
 	return cmd
 }

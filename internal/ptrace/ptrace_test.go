@@ -32,14 +32,8 @@ func dyingTracer(pidStr string) {
 	fmt.Sscan(pidStr, &pid)
 	tr := NewTracer()
 	err := tr.Do(func() error {
-		tc, err := Seize(pid)
+		tc, err := seizeStopped(pid)
 		if err != nil {
-			return err
-		}
-		if err := tc.Interrupt(); err != nil {
-			return err
-		}
-		if err := tc.Wait(10 * time.Second); err != nil {
 			return err
 		}
 		if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
@@ -88,22 +82,11 @@ func TestBetween(t *testing.T) {
 	c := startReplica(t)
 	tr := NewTracer()
 	defer tr.Close()
-	var tc, z *Tracee
+	tc := stop(t, tr, c.cmd.Process.Pid)
+	var z *Tracee
 	err := tr.Do(func() error {
-		var err error
-		if tc, err = Seize(c.cmd.Process.Pid); err != nil {
-			return err
-		}
-		if err := tc.Interrupt(); err != nil {
-			return err
-		}
-		if err := tc.Wait(10 * time.Second); err != nil {
-			return err
-		}
-		if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
-			return err
-		}
-		return nil
+		_, err := tc.Syscall(unix.SYS_GETPID)
+		return err
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -141,6 +124,18 @@ func TestBetween(t *testing.T) {
 	if got := c.ask(t); got[2] != "2" {
 		t.Fatalf("the replica answered %v after the injections, want answer 2", got)
 	}
+}
+
+// seizeStopped seizes pid and waits until it is stopped for us. Call it inside Do.
+func seizeStopped(pid int) (*Tracee, error) {
+	tc, err := Seize(pid)
+	if err != nil {
+		return nil, err
+	}
+	if err := tc.Interrupt(); err != nil {
+		return nil, err
+	}
+	return tc, tc.Wait(10 * time.Second)
 }
 
 // replica is the tracee of these tests: a single-threaded Python process (a Go test
@@ -241,15 +236,9 @@ func skip(t *testing.T, why string) {
 func stop(t *testing.T, tr *Tracer, pid int) *Tracee {
 	t.Helper()
 	var tc *Tracee
-	err := tr.Do(func() error {
-		var err error
-		if tc, err = Seize(pid); err != nil {
-			return err
-		}
-		if err := tc.Interrupt(); err != nil {
-			return err
-		}
-		return tc.Wait(10 * time.Second)
+	err := tr.Do(func() (err error) {
+		tc, err = seizeStopped(pid)
+		return err
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -398,9 +387,7 @@ func TestForkedCopyStaysStopped(t *testing.T) {
 			t.Fatalf("answer %d came from %v, want the original process %d", i, got, pid)
 		}
 	}
-	if st := procState(copyPid); st != "T" {
-		t.Fatalf("copy state %q, want T (stopped)", st)
-	}
+	waitState(t, copyPid, "T") // it stops once it runs (on a loaded machine, not at once)
 	// Continued (and the original stopped, so that only the copy reads), the copy
 	// answers with the counter it had at the fork.
 	unix.Kill(pid, unix.SIGSTOP)

@@ -567,7 +567,8 @@ class Sandbox:
         A container sandbox of simple processes is checkpointed *resident*: each process
         forks a frozen copy-on-write copy of itself, no memory is copied, and its durable
         copy is written in the background. ``durable=True`` returns only once the
-        checkpoint is on disk whole."""
+        checkpoint is on disk whole and synced (it then survives a crash of the
+        machine)."""
         body = {"label": label} if label else {}
         if durable:
             body["durable"] = True
