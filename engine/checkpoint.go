@@ -20,14 +20,20 @@ import (
 )
 
 // Where checkpoints live: the filesystem half is the pool volume checkpoints/<id>, the
-// process images the directory images/<id> of the data directory (outside the pool:
-// images are written once and read on restore, and btrfs's copy-on-write bookkeeping
-// only slows their writing). Both are built under staging names first.
+// process images the directory imgs/<id> of the data directory, on the image pool (a
+// btrfs filesystem of its own, so that images share their parent's pages on disk and
+// the pool's usage stays the filesystems'), or images/<id> on the data directory's own
+// filesystem (Config.ImagePool "none", or checkpoints taken before the image pool).
+// Both halves are built under staging names first.
 const (
-	stagingDir     = "staging"
-	checkpointsDir = "checkpoints"
-	imagesDir      = "images"
+	stagingDir      = "staging"
+	checkpointsDir  = "checkpoints"
+	imagesDir       = "images"
+	sharedImagesDir = "imgs"
 )
+
+// imageRoots are the data directory's roots of image directories, legacy first.
+var imageRoots = []string{imagesDir, sharedImagesDir}
 
 // imagesPath is the host path of a data-directory-relative images path.
 func (e *Engine) imagesPath(rel string) string { return filepath.Join(e.cfg.DataDir, rel) }
@@ -91,7 +97,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	// cannot be renamed itself, its directory can.
 	staged := filepath.Join(stagingDir, id+"-"+ck.ID)
 	stagedFS := filepath.Join(staged, "fs")
-	stagedImages := e.imagesPath(filepath.Join(imagesDir, stagingDir+"-"+id+"-"+ck.ID))
+	stagedImages := e.imagesPath(filepath.Join(e.imgRoot, stagingDir+"-"+id+"-"+ck.ID))
 	if err := os.MkdirAll(stagedImages, 0o700); err != nil {
 		return nil, err
 	}
@@ -161,7 +167,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	t = time.Now()
 	final := filepath.Join(checkpointsDir, ck.ID)
 	ck.FSVolume = filepath.Join(final, "fs")
-	ck.Images = filepath.Join(imagesDir, ck.ID)
+	ck.Images = filepath.Join(e.imgRoot, ck.ID)
 	os.MkdirAll(e.pool.Path(checkpointsDir), 0o755)
 	if err := os.Rename(e.pool.Path(staged), e.pool.Path(final)); err != nil {
 		cleanup()
@@ -606,7 +612,9 @@ func (e *Engine) deleteCheckpoints(ctx context.Context, victims []string) error 
 }
 
 func (e *Engine) removeCheckpointFiles(ctx context.Context, id string) {
-	e.dropZygotes(e.imagesPath(filepath.Join(imagesDir, id)))
+	for _, root := range imageRoots {
+		e.dropZygotes(e.imagesPath(filepath.Join(root, id)))
+	}
 	e.removeStaged(ctx, filepath.Join(checkpointsDir, id))
 	e.removeImages(ctx, id)
 }

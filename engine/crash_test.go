@@ -29,18 +29,30 @@ var rewriteCrashes = []struct {
 	name   string
 	at     string // CAIRN_TEST_CRASH_AT: a point of criu/incremental or of the engine
 	delete int    // the checkpoint deleted, or -1 for a crash in a compaction
+	shared bool   // images on the image pool (incremental.Share), not in chains
 }{
-	{"compact-start", "compact-start", -1},         // queued, nothing done
-	{"compact-written", "incremental-pagemap", -1}, // new files written, none switched
-	{"compact-linked", "incremental-link", -1},     // parent link made, none switched
-	{"compact-switched", "incremental-switch", -1}, // one task switched, old pages kept
-	{"compact-done", "compact-done", -1},           // rewritten, row still criu-full
-	{"rebase-written", "incremental-pagemap", 1},
-	{"rebase-switched", "incremental-switch", 1},
-	{"rebase-unlinked", "incremental-unlink", 1}, // all switched, link not yet moved
-	{"rebase-done", "rebase-done", 1},            // rebased, row not updated, victim's images kept
-	{"flatten-switched", "incremental-switch", 0},
-	{"flatten-done", "rebase-done", 0},
+	{"compact-start", "compact-start", -1, false},         // queued, nothing done
+	{"compact-written", "incremental-pagemap", -1, false}, // new files written, none switched
+	{"compact-linked", "incremental-link", -1, false},     // parent link made, none switched
+	{"compact-switched", "incremental-switch", -1, false}, // one task switched, old pages kept
+	{"compact-done", "compact-done", -1, false},           // rewritten, row still criu-full
+	{"rebase-written", "incremental-pagemap", 1, false},
+	{"rebase-switched", "incremental-switch", 1, false},
+	{"rebase-unlinked", "incremental-unlink", 1, false}, // all switched, link not yet moved
+	{"rebase-done", "rebase-done", 1, false},            // rebased, row not updated, victim's images kept
+	{"flatten-switched", "incremental-switch", 0, false},
+	{"flatten-done", "rebase-done", 0, false},
+	{"share-start", "compact-start", -1, true}, // queued, nothing done
+	{"share-pages", "share-pages", -1, true},   // one pages file rebuilt, not renamed
+	{"share-done", "compact-done", -1, true},   // shared, row still criu-full
+}
+
+// imagePool is the engine's ImagePool for a case.
+func imagePool(shared bool) string {
+	if shared {
+		return ""
+	}
+	return "none"
 }
 
 // TestRewriteCrash kills the engine (SIGKILL, in a child process) at each moment of
@@ -58,6 +70,7 @@ func TestRewriteCrash(t *testing.T) {
 	ctx := context.Background()
 	for _, tc := range rewriteCrashes {
 		t.Run(tc.name, func(t *testing.T) {
+			noStandbys := func(c *engine.Config) { c.Standbys, c.ImagePool = -1, imagePool(tc.shared) }
 			cmd := exec.Command(os.Args[0], "-test.run=^TestRewriteCrash$", "-test.v")
 			cmd.Env = append(os.Environ(), rewriteCrashEnv+"="+tc.name)
 			out, err := cmd.CombinedOutput()
@@ -97,7 +110,7 @@ func TestRewriteCrash(t *testing.T) {
 				t.Fatalf("checkpoints after recovery (-want +got):\n%s", d)
 			}
 			for _, c := range tree {
-				checkImages(t, e2, c)
+				checkImages(t, e2, c, tc.shared)
 			}
 			r := &repl{t: t, e: e2, sb: got["sandbox"], p: got["process"]}
 			for _, c := range tree {
@@ -126,8 +139,10 @@ func removeWithCheckpoints(e *engine.Engine, id string) {
 
 // checkImages checks that a checkpoint's row says what its images directory holds,
 // and that its compaction is done: a checkpoint with a parent is incremental (the REPL
-// keeps most of its pages from one checkpoint to the next).
-func checkImages(t *testing.T, e *engine.Engine, c *model.Checkpoint) {
+// keeps most of its pages from one checkpoint to the next), or, on the image pool,
+// shares most of its pages with its parent's (no link, fewer bytes of its own than the
+// directory's size).
+func checkImages(t *testing.T, e *engine.Engine, c *model.Checkpoint, shared bool) {
 	t.Helper()
 	ctx := context.Background()
 	ck, err := e.GetCheckpoint(ctx, c.ID)
@@ -135,6 +150,19 @@ func checkImages(t *testing.T, e *engine.Engine, c *model.Checkpoint) {
 		t.Fatal(err)
 	}
 	dir := filepath.Join(testenv.DataDir(), ck.Images)
+	if shared {
+		link, _ := incremental.Parent(dir)
+		want := "criu-full"
+		if ck.Parent != "" {
+			want = "criu-shared"
+		}
+		size := imagesBytes(t, dir)
+		if ck.Method != want || link != "" || ck.ImagesDepth != 0 || ck.Parent != "" && ck.ImageBytes > size/4 || ck.Parent == "" && ck.ImageBytes != size {
+			t.Fatalf("checkpoint %s (%s): method %s, link %q, depth %d, %d bytes of its own in %d; want %s, no link, a quarter or less of the directory with a parent",
+				ck.Label, ck.ID, ck.Method, link, ck.ImagesDepth, ck.ImageBytes, size, want)
+		}
+		return
+	}
 	link, err := incremental.Parent(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -189,7 +217,7 @@ func rewriteCrashChild(t *testing.T, name string) {
 		}
 	}
 	// The CRIU path's images: every checkpoint a dump of the tree (no zygotes).
-	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, -1 })
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents, c.ImagePool = -1, -1, imagePool(tc.shared) })
 	ctx := context.Background()
 	sb, r := newREPL(t, e, false)
 	fmt.Printf("crash-child sandbox %s\ncrash-child process %s\n", sb.ID, r.p)

@@ -47,6 +47,12 @@ type Config struct {
 	PoolDir   string // (DataDir/pool) btrfs pool mount point or btrfs directory
 	PoolImage string // (DataDir/pool.img) sparse image mounted at PoolDir; "none" to use PoolDir as is
 	PoolSize  int64  // (64 GiB) apparent size of a new pool image
+	// ImagePool is the sparse image of the btrfs filesystem that holds new checkpoints'
+	// process images, mounted at DataDir/imgs (DataDir/imgs.img): there a checkpoint's
+	// images share, on disk, the pages equal to its parent's (reflinks; see
+	// incremental.go) and stay full and standalone. "none" keeps them on the data
+	// directory's own filesystem, in incremental chains of parent links (as before).
+	ImagePool string
 	// InitBinary is the cairn-init binary (next to the running executable, or on PATH).
 	InitBinary string
 	// Progress receives progress of long work (template builds); nil for none.
@@ -106,6 +112,10 @@ type Engine struct {
 	// images guards image directories: CRIU restores read-lock it, rewrites of a
 	// directory's pagemaps and links lock it.
 	images *imagesGuard
+	// imgRoot is where new checkpoints' images go: sharedImagesDir when the image pool
+	// is mounted, imagesDir otherwise (checkpoint.go).
+	imgRoot string
+	imgPool *btrfs.Pool // the image pool, when mounted (nil otherwise)
 	// durable queues the durable copies of resident checkpoints (resident.go).
 	durable durableState
 	// removing holds, by sandbox, the process records whose removal runs in the
@@ -165,7 +175,18 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}, prepSem: make(chan struct{}, cfg.StandbyRestores),
-		images: &imagesGuard{path: filepath.Join(cfg.DataDir, "images.lock")}}
+		images: &imagesGuard{path: filepath.Join(cfg.DataDir, "images.lock")}, imgRoot: imagesDir}
+	if cfg.ImagePool != "none" {
+		image := cfg.ImagePool
+		if image == "" {
+			image = filepath.Join(cfg.DataDir, sharedImagesDir+".img")
+		}
+		if ip, err := btrfs.Open(ctx, btrfs.Config{Dir: filepath.Join(cfg.DataDir, sharedImagesDir), Image: image}); err != nil {
+			cfg.Logf("image pool %s: %v; new checkpoints' images go to %s, in incremental chains", image, err, filepath.Join(cfg.DataDir, imagesDir))
+		} else {
+			e.imgRoot, e.imgPool = sharedImagesDir, ip
+		}
+	}
 	if err := criu.UseKdatCache(filepath.Join(cfg.DataDir, "criu")); err != nil {
 		return nil, err
 	}
@@ -193,6 +214,9 @@ func (e *Engine) Close() error {
 		if c, ok := b.(io.Closer); ok {
 			c.Close() // idle CRIU workers (isolation/container)
 		}
+	}
+	if e.imgPool != nil {
+		e.imgPool.Close()
 	}
 	return e.db.Close()
 }

@@ -45,6 +45,9 @@ import (
 const (
 	methodFull        = "criu-full"
 	methodIncremental = "criu-incremental"
+	// methodShared: full images on the image pool whose pages equal to the parent's
+	// share its data on disk (incremental.Share).
+	methodShared = "criu-shared"
 )
 
 // imagesGuard is a read-write lock over image directories, for this process (mu) and
@@ -199,7 +202,7 @@ func (e *Engine) parentTaskDir(p *model.Checkpoint, pid string) string {
 	switch p.Method {
 	case methodZygoteImages:
 		return e.taskDirs(p)[pid]
-	case methodFull, methodIncremental:
+	case methodFull, methodIncremental, methodShared:
 		dir := e.imagesPath(p.Images)
 		if _, err := os.Stat(filepath.Join(dir, "pagemap-"+pid+".img")); err == nil {
 			return dir
@@ -228,7 +231,7 @@ func (e *Engine) compact(ctx context.Context, id string) error {
 	// The directories to compact, each with its parent's.
 	pairs := map[string]string{}
 	if ck.Method == methodFull {
-		if p.Method == methodFull || p.Method == methodIncremental {
+		if p.Method == methodFull || p.Method == methodIncremental || p.Method == methodShared {
 			pairs[dir] = e.imagesPath(p.Images)
 		}
 	} else {
@@ -237,6 +240,9 @@ func (e *Engine) compact(ctx context.Context, id string) error {
 				pairs[d] = pd
 			}
 		}
+	}
+	if e.onImagePool(dir) {
+		return e.share(ctx, ck, pairs, start, before)
 	}
 	linked := false
 	for d, pd := range pairs {
@@ -270,6 +276,51 @@ func (e *Engine) compact(ctx context.Context, id string) error {
 	return e.db.SetCheckpointImages(ctx, id, method, after)
 }
 
+// onImagePool reports whether an images directory is on the image pool.
+func (e *Engine) onImagePool(dir string) bool {
+	rel, err := filepath.Rel(e.imagesPath(sharedImagesDir), dir)
+	return err == nil && !strings.HasPrefix(rel, "..")
+}
+
+// share is compact for images on the image pool: each directory's pages equal to its
+// parent's come to share the parent's data (incremental.Share); they stay full and
+// standalone, with no chain to bound. A parent elsewhere (taken before the image pool)
+// leaves the directory as it is. The row then counts the bytes the images hold alone.
+func (e *Engine) share(ctx context.Context, ck *model.Checkpoint, pairs map[string]string, start time.Time, before int64) error {
+	var sharedBytes int64
+	done := false
+	for d, pd := range pairs {
+		if !e.onImagePool(pd) {
+			continue
+		}
+		res, err := incremental.Share(d, pd, incremental.ShareOptions{Compress: true})
+		if err != nil {
+			return err
+		}
+		sharedBytes += res.SharedPages * pageSize
+		// A directory shared before a crash says what it shares (its marker).
+		done = done || res.Tasks > 0 || res.SharedPages > 0
+	}
+	crashPoint("compact-done")
+	after := DirBytes(e.imagesPath(ck.Images)) - sharedBytes
+	e.count(func(st *Stats) {
+		st.Compactions++
+		st.CompactionMS += float64(time.Since(start).Microseconds()) / 1000
+		st.CompactionSavedBytes += before - after
+	})
+	if !done {
+		return nil
+	}
+	method := ck.Method
+	if method == methodFull {
+		method = methodShared
+	}
+	return e.db.SetCheckpointImages(ctx, ck.ID, method, after)
+}
+
+// pageSize is the size of a page in CRIU's images.
+const pageSize = 4096
+
 // removeImages removes a checkpoint's images directory after rebasing every directory
 // linked to it (or to one of its per-process directories) onto its own parent. If a
 // rebase fails the directory is kept (a later sweep retries): a leftover is better than
@@ -277,10 +328,21 @@ func (e *Engine) compact(ctx context.Context, id string) error {
 //
 // Preconditions: the checkpoint's row is gone (nothing new can start from it).
 func (e *Engine) removeImages(ctx context.Context, id string) {
-	dir := e.imagesPath(filepath.Join(imagesDir, id))
-	if _, err := os.Lstat(dir); err != nil {
-		return
+	for _, root := range imageRoots {
+		if dir := e.imagesPath(filepath.Join(root, id)); exists(dir) {
+			e.removeImagesDir(ctx, id, dir)
+		}
 	}
+}
+
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
+}
+
+// removeImagesDir is removeImages for one directory. Images on the image pool have no
+// parent link to them, and share extents the filesystem counts: they just go.
+func (e *Engine) removeImagesDir(ctx context.Context, id, dir string) {
 	unlock := e.lockCompaction()
 	defer unlock()
 	for _, child := range e.linkedTo(dir) {
@@ -303,8 +365,8 @@ func (e *Engine) removeImages(ctx context.Context, id string) {
 // the disk (its method and bytes), after a rebase of d.
 func (e *Engine) recordImages(ctx context.Context, d string) {
 	rel, err := filepath.Rel(e.imagesPath(imagesDir), d)
-	if err != nil {
-		return
+	if err != nil || strings.HasPrefix(rel, "..") {
+		return // not a legacy directory: nothing is ever rebased onto the image pool's
 	}
 	id := strings.SplitN(rel, string(filepath.Separator), 2)[0]
 	ck, err := e.db.Checkpoint(ctx, id)
@@ -333,18 +395,20 @@ func (e *Engine) linkedTo(dir string) []string {
 	return out
 }
 
-// allImageDirs lists every image directory of the data directory: images/<id> and
-// images/<id>/procs/<pid>.
+// allImageDirs lists every image directory of the data directory: <root>/<id> and
+// <root>/<id>/procs/<pid>, for both roots.
 func (e *Engine) allImageDirs() []string {
-	ents, _ := os.ReadDir(e.imagesPath(imagesDir))
 	var out []string
-	for _, d := range ents {
-		c := e.imagesPath(filepath.Join(imagesDir, d.Name()))
-		out = append(out, c)
-		procs, _ := os.ReadDir(filepath.Join(c, procsDir))
-		for _, p := range procs {
-			if p.IsDir() {
-				out = append(out, filepath.Join(c, procsDir, p.Name()))
+	for _, root := range imageRoots {
+		ents, _ := os.ReadDir(e.imagesPath(root))
+		for _, d := range ents {
+			c := e.imagesPath(filepath.Join(root, d.Name()))
+			out = append(out, c)
+			procs, _ := os.ReadDir(filepath.Join(c, procsDir))
+			for _, p := range procs {
+				if p.IsDir() {
+					out = append(out, filepath.Join(c, procsDir, p.Name()))
+				}
 			}
 		}
 	}
@@ -370,7 +434,11 @@ func (e *Engine) recoverImages(ctx context.Context) {
 					e.cfg.Logf("sweep the images of checkpoint %s: %v", ck.ID, err)
 				}
 			}
-			e.db.SetCheckpointImages(ctx, ck.ID, ck.Method, DirBytes(e.imagesPath(ck.Images)))
+			// On the image pool the directory's size counts the pages it shares: the
+			// compaction queued next records its own bytes (Share remembers them).
+			if !e.onImagePool(e.imagesPath(ck.Images)) {
+				e.db.SetCheckpointImages(ctx, ck.ID, ck.Method, DirBytes(e.imagesPath(ck.Images)))
+			}
 			e.compactLater(ck)
 			continue
 		}
@@ -406,12 +474,20 @@ func (e *Engine) recoverImages(ctx context.Context) {
 // rewrites left in checkpoints' image directories (what recoverImages sweeps).
 func (e *Engine) imageLeftovers() []string {
 	var out []string
-	ents, _ := os.ReadDir(e.imagesPath(imagesDir))
+	for _, root := range imageRoots {
+		out = append(out, e.imageLeftoversIn(root)...)
+	}
+	return out
+}
+
+func (e *Engine) imageLeftoversIn(root string) []string {
+	var out []string
+	ents, _ := os.ReadDir(e.imagesPath(root))
 	for _, d := range ents {
 		if strings.HasPrefix(d.Name(), stagingDir+"-") {
 			continue // a checkpoint's own staging, which sweep lists
 		}
-		rel := filepath.Join(imagesDir, d.Name())
+		rel := filepath.Join(root, d.Name())
 		rels := []string{rel}
 		procs, _ := os.ReadDir(filepath.Join(e.imagesPath(rel), procsDir))
 		for _, p := range procs {
@@ -444,6 +520,9 @@ func (e *Engine) withDepth(ck *model.Checkpoint, err error) (*model.Checkpoint, 
 		ck.ImagesDepth, _ = incremental.Depth(e.imagesPath(ck.Images))
 		ck.MethodReason = fmt.Sprintf("%s, compacted in the background: pages equal to parent %s's are read from its images (chain depth %d of at most %d)",
 			dumped, ck.Parent, ck.ImagesDepth, incremental.MaxDepth)
+	case methodShared:
+		ck.MethodReason = fmt.Sprintf("%s; its pages equal to parent %s's share that checkpoint's data on disk (reflinks on the image pool): full images, restored without a chain",
+			dumped, ck.Parent)
 	case methodFull:
 		ck.MethodReason = dumped + ", kept full: " + e.whyFull(ck)
 	case "runsc-save":
@@ -470,8 +549,11 @@ func (e *Engine) whyFull(ck *model.Checkpoint) string {
 		return "its compaction against parent " + ck.Parent + " is queued (background)"
 	}
 	p, err := e.db.Checkpoint(context.Background(), ck.Parent)
-	if err != nil || p.Method != methodFull && p.Method != methodIncremental {
+	if err != nil || p.Method != methodFull && p.Method != methodIncremental && p.Method != methodShared {
 		return "its parent " + ck.Parent + " has no CRIU images"
+	}
+	if e.onImagePool(e.imagesPath(ck.Images)) != e.onImagePool(e.imagesPath(p.Images)) {
+		return "its parent's images are on another filesystem (taken before the image pool): nothing to share"
 	}
 	if d, err := incremental.Depth(e.imagesPath(p.Images)); err == nil && d+1 > incremental.MaxDepth {
 		return fmt.Sprintf("its parent's image chain is at the maximum depth (%d): a new chain starts here", incremental.MaxDepth)

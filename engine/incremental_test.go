@@ -16,10 +16,11 @@ import (
 // 48 MiB and changes ~1 MiB per step, waits for the background compaction, and checks
 // that the images shrank, that rolling back to each checkpoint restores its memory
 // through the chain (no standbys: every rollback is a CRIU restore), and that taking a
-// checkpoint out of the middle of the chain leaves its descendants restorable.
+// checkpoint out of the middle of the chain leaves its descendants restorable. Images
+// on the data directory's filesystem (no image pool): incremental chains.
 func TestIncrementalImages(t *testing.T) {
 	// The CRIU path's images: every checkpoint a dump of the tree (no zygotes).
-	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, -1 })
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents, c.ImagePool = -1, -1, "none" })
 	ctx := context.Background()
 	sb, r := newREPL(t, e, true)
 	r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
@@ -150,4 +151,81 @@ func (r *repl) ask(code string) string {
 	}
 	r.t.Fatalf("REPL did not answer %q; stdout so far %q", code, got.String())
 	return ""
+}
+
+// TestSharedImages is TestIncrementalImages on the image pool, for both kinds of
+// images: tree dumps (no zygotes), and the durable copies of resident checkpoints. Each
+// checkpoint's images after the first share their unchanged pages with their parent's
+// (method criu-shared, or zygote-criu, with a fraction of the bytes), stay full (no
+// parent link), and restore alone: deleting a checkpoint in the middle rebases nothing.
+func TestSharedImages(t *testing.T) {
+	for _, resident := range []bool{false, true} {
+		t.Run(map[bool]string{false: "tree", true: "resident"}[resident], func(t *testing.T) {
+			e := testenv.EngineWith(t, func(c *engine.Config) {
+				c.Standbys = -1
+				if !resident {
+					c.Residents = -1
+				}
+			})
+			ctx := context.Background()
+			sb, r := newREPL(t, e, true)
+			r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
+			state := func(r *repl) string { return r.ask("print(step, hashlib.sha256(b).hexdigest())") }
+			const steps = 3
+			var cks []*model.Checkpoint
+			var states []string
+			for k := 1; k <= steps; k++ {
+				r.ask(fmt.Sprintf("step = %d\nb[%d << 20:%d << 20] = bytes([%d]) * (1 << 20)", k, k, k+1, k))
+				states = append(states, state(r))
+				ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !strings.HasPrefix(ck.Images, "imgs/") {
+					t.Fatalf("checkpoint %d's images are in %s, not on the image pool (imgs/)", k, ck.Images)
+				}
+				cks = append(cks, ck)
+			}
+			e.Quiesce()
+			var first int64
+			for k, c := range cks {
+				got, err := e.GetCheckpoint(ctx, c.ID)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want := map[bool]string{false: "criu-shared", true: "zygote-criu"}[resident]
+				if k == 0 {
+					first = got.ImageBytes
+					want = map[bool]string{false: "criu-full", true: "zygote-criu"}[resident]
+				}
+				t.Logf("checkpoint %d: %s, %d image bytes of its own", k+1, got.Method, got.ImageBytes)
+				if got.Method != want || got.ImagesDepth != 0 || k > 0 && got.ImageBytes > first/4 {
+					t.Fatalf("checkpoint %d: %s at depth %d, %d bytes; want %s at depth 0, under a quarter of the first's %d", k+1, got.Method, got.ImagesDepth, got.ImageBytes, want, first)
+				}
+			}
+			// The middle one goes: no rebase, the others restore on their own.
+			if err := e.DeleteCheckpointsForTest(ctx, cks[1].ID); err != nil {
+				t.Fatal(err)
+			}
+			if resident {
+				if err := e.Settle(ctx, sb.ID); err != nil { // rollbacks restore images
+					t.Fatal(err)
+				}
+			}
+			for _, k := range []int{2, 0, 2} {
+				if err := e.Rollback(ctx, sb.ID, cks[k].ID); err != nil {
+					t.Fatalf("rollback to checkpoint %d: %v", k+1, err)
+				}
+				if got := state(r); got != states[k] {
+					t.Fatalf("after rollback to checkpoint %d: %q, want %q", k+1, got, states[k])
+				}
+			}
+			if _, err := e.DeleteCheckpoint(ctx, cks[0].ID, true); err != nil {
+				t.Fatal(err)
+			}
+			if l := e.Leftovers(); len(l) > 0 {
+				t.Fatalf("leftovers after deleting the checkpoints: %v", l)
+			}
+		})
+	}
 }

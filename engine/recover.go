@@ -128,23 +128,25 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 			unlock()
 		}
 	}
-	entries, _ = os.ReadDir(e.imagesPath(imagesDir))
-	for _, d := range entries {
-		name := filepath.Join(imagesDir, d.Name())
-		if rest, ok := strings.CutPrefix(d.Name(), stagingDir+"-"); ok {
-			if unlock, ok := e.tryLock(owner(rest)); ok {
+	for _, root := range imageRoots {
+		entries, _ = os.ReadDir(e.imagesPath(root))
+		for _, d := range entries {
+			name := filepath.Join(root, d.Name())
+			if rest, ok := strings.CutPrefix(d.Name(), stagingDir+"-"); ok {
+				if unlock, ok := e.tryLock(owner(rest)); ok {
+					if !dryRun {
+						e.dropZygotes(e.imagesPath(name))
+						os.RemoveAll(e.imagesPath(name))
+					}
+					removed = append(removed, name)
+					unlock()
+				}
+			} else if !known[d.Name()] && !e.checkpointInFlight(ids) {
 				if !dryRun {
-					e.dropZygotes(e.imagesPath(name))
-					os.RemoveAll(e.imagesPath(name))
+					e.removeCheckpointFiles(ctx, d.Name())
 				}
 				removed = append(removed, name)
-				unlock()
 			}
-		} else if !known[d.Name()] && !e.checkpointInFlight(ids) {
-			if !dryRun {
-				e.removeCheckpointFiles(ctx, d.Name())
-			}
-			removed = append(removed, name)
 		}
 	}
 	entries, _ = os.ReadDir(e.pool.Path(checkpointsDir))

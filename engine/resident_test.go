@@ -21,7 +21,8 @@ import (
 // restored from its images (fork, rollback); and that deleting a checkpoint in the
 // middle rebases its child's images, which stay restorable.
 func TestResidentImages(t *testing.T) {
-	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	// Images on the data directory's filesystem: chains of parent links (no image pool).
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.ImagePool = -1, "none" })
 	ctx := context.Background()
 	sb, r := newREPL(t, e, true)
 	r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")

@@ -14,8 +14,9 @@
 // part of the versioned schema and may be dropped at any time.
 //
 // A checkpoint's method and image_bytes change once after it is written, when its images
-// are compacted against its parent's ("criu-full" becomes "criu-incremental"), and again
-// if a parent's removal rebases them.
+// are compacted against its parent's ("criu-full" becomes "criu-incremental", or
+// "criu-shared" on the image pool; image_bytes then counts only what the images hold on
+// their own), and again if a parent's removal rebases incremental ones.
 //
 // Times are RFC 3339 with nanoseconds, UTC. A checkpoint row is written only after its
 // filesystem and images are published under their final names, so every row refers to

@@ -67,6 +67,8 @@ func TestMain(m *testing.M) {
 			_, err = Flatten(args[1], Options{})
 		case "rebase":
 			_, err = Rebase(args[1], Options{})
+		case "share":
+			_, err = Share(args[1], args[2], ShareOptions{})
 		}
 		if err != nil {
 			fmt.Fprintln(os.Stderr, err)

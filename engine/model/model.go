@@ -50,7 +50,9 @@ type Checkpoint struct {
 	DurationMS float64 `json:"duration_ms"`
 	// Method says how the process half was captured: "criu-full" (a full CRIU dump),
 	// "criu-incremental" (the dump rewritten in the background to hold only the pages
-	// that differ from its parent's images), "runsc-save" (gVisor), "zygote" (frozen
+	// that differ from its parent's images), "criu-shared" (the dump rewritten in the
+	// background so that its pages equal to its parent's share that data on disk: full
+	// images, on the image pool), "runsc-save" (gVisor), "zygote" (frozen
 	// copy-on-write forks of the processes, their durable copy pending) and "zygote-criu"
 	// (the same, with CRIU images of each process written from them).
 	Method string `json:"method"`

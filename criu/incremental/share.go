@@ -1,0 +1,232 @@
+package incremental
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// Sharing: the other way to store a child's images. Where the images live on a
+// filesystem with reflinks (btrfs), a full directory need not become incremental to stop
+// holding a copy of its parent's pages: Share makes each page equal to the parent's
+// logical page at the same address share the parent's data on disk (FICLONERANGE) and
+// writes only the others. The directory stays full and standalone: its pagemaps are
+// untouched, a restore reads it as fast as any full one (no chain to walk), and deleting
+// its parent, or itself, breaks nothing (the filesystem counts the extents' references).
+// There is no depth to bound: a child of a shared directory shares in turn.
+//
+// Each task's pages file is rebuilt beside the old one (same layout: the present
+// entries' pages back to back) and renamed over it. A crash leaves the old file or the
+// new one, both with the same content, and at most a temporary file, which Sweep removes.
+// A restore reading the directory meanwhile needs no lock: every version of the file
+// holds the same bytes.
+
+// ErrNoReflink says that Share cannot share data between the two directories: they are
+// not on one filesystem that supports reflinks. The directory is left as it was.
+var ErrNoReflink = errors.New("images cannot share data here: no reflinks between them (they must be on one btrfs filesystem)")
+
+// ShareOptions are the options of Share.
+type ShareOptions struct {
+	// Compress asks the filesystem to compress the pages Share writes (btrfs zstd); the
+	// shared ones keep their parent's encoding. A restore decompresses them.
+	Compress bool
+}
+
+// ShareResult says what Share did (or, for a directory already shared, what it had
+// done: Tasks is then 0).
+type ShareResult struct {
+	Tasks       int   `json:"-"`            // pages files rebuilt
+	SharedPages int64 `json:"shared_pages"` // pages sharing the parent's data
+	OwnPages    int64 `json:"own_pages"`    // pages written (differing from the parent's, or absent there)
+}
+
+// SharedMarker is the file Share leaves in a directory it completed, with its
+// ShareResult: a second Share returns that at once.
+const SharedMarker = "shared.json"
+
+// OwnBytes is what the directory's pages hold on disk alone, before compression.
+func (r ShareResult) OwnBytes() int64 { return r.OwnPages * pageSize }
+
+// Share rebuilds the pages files of the full images directory dir so that each page
+// equal to parent's logical page (same task, same address; parent full or incremental)
+// shares parent's data. dir must be full (no parent link). It returns ErrNoReflink,
+// leaving dir as it was, when the filesystem cannot share data between them.
+func Share(dir, parent string, opt ShareOptions) (res ShareResult, err error) {
+	dir, parent = filepath.Clean(dir), filepath.Clean(parent)
+	release, err := lockDir(dir, unix.LOCK_EX)
+	if err != nil {
+		return res, err
+	}
+	defer release()
+	if cur, err := Parent(dir); err != nil || cur != "" {
+		if err == nil {
+			err = fmt.Errorf("images directory %s is incremental (against %s): Share takes a full one", dir, cur)
+		}
+		return res, err
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, SharedMarker)); err == nil {
+		if err := json.Unmarshal(b, &res); err != nil {
+			return res, fmt.Errorf("%s: %w", filepath.Join(dir, SharedMarker), err)
+		}
+		return res, nil
+	}
+	releaseChain, err := lockChain(parent)
+	if err != nil {
+		return res, err
+	}
+	defer releaseChain()
+	defer func() {
+		if err != nil {
+			removeLeftovers(dir)
+		}
+	}()
+	tasks, err := taskIDs(dir)
+	if err != nil {
+		return res, err
+	}
+	for _, id := range tasks {
+		if err := shareTask(dir, parent, id, opt, &res); err != nil {
+			return res, err
+		}
+	}
+	b, err := json.Marshal(res)
+	if err != nil {
+		return res, err
+	}
+	marker := filepath.Join(dir, SharedMarker)
+	if err := os.WriteFile(tmpName(marker), b, 0o600); err != nil {
+		return res, err
+	}
+	if err := os.Rename(tmpName(marker), marker); err != nil {
+		return res, err
+	}
+	return res, syncDir(dir)
+}
+
+// shareTask rebuilds the pages file of task id of dir against parent's same task.
+func shareTask(dir, parent, id string, opt ShareOptions, res *ShareResult) error {
+	m, err := openTask(dir, id)
+	if err != nil || m == nil || m.pages == nil {
+		return err
+	}
+	defer m.close()
+	p, err := openTask(parent, id)
+	if err != nil || p == nil {
+		return err
+	}
+	defer p.close()
+	path := filepath.Join(dir, pagesName(m.pagesID))
+	tmp := tmpName(path)
+	os.Remove(tmp) // a leftover of a crashed Share; dir is locked
+	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	if opt.Compress {
+		// Best effort: a filesystem without it writes them as they are.
+		unix.Fsetxattr(int(f.Fd()), "btrfs.compression", []byte("zstd"), 0)
+	}
+	shared, own, err := rebuildPages(m, p, f)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		crashPoint("share-pages")
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	res.Tasks++
+	res.SharedPages += shared
+	res.OwnPages += own
+	return nil
+}
+
+// rebuildPages writes m's pages into f at their offsets: runs equal to p's logical
+// pages as clones of p's data, the others as copies of m's.
+func rebuildPages(m, p *taskMap, f *os.File) (shared, own int64, err error) {
+	mine := make([]byte, chunk*pageSize)
+	theirs := make([]byte, chunk*pageSize)
+	for _, e := range m.entries {
+		if !hasFlag(e.flags, pePresent) {
+			continue
+		}
+		for done := uint64(0); done < e.nr; {
+			n := min(e.nr-done, chunk)
+			va := e.vaddr + done*pageSize
+			off := e.off + int64(done*pageSize)
+			buf := mine[:n*pageSize]
+			if err := readAt(m.pages, buf, off); err != nil {
+				return shared, own, err
+			}
+			for i := uint64(0); i < n; {
+				s := p.lookup(va+i*pageSize, true)
+				k := min(s.run, n-i)
+				if s.kind != inFile {
+					if err := writeAt(f, buf[i*pageSize:(i+k)*pageSize], off+int64(i*pageSize)); err != nil {
+						return shared, own, err
+					}
+					own += int64(k)
+					i += k
+					continue
+				}
+				b := theirs[:k*pageSize]
+				if err := readAt(s.file, b, s.off); err != nil {
+					return shared, own, err
+				}
+				// Runs of equal pages are cloned, runs of different ones written.
+				for j := uint64(0); j < k; {
+					eq := bytes.Equal(b[j*pageSize:(j+1)*pageSize], buf[(i+j)*pageSize:(i+j+1)*pageSize])
+					l := j + 1
+					for l < k && bytes.Equal(b[l*pageSize:(l+1)*pageSize], buf[(i+l)*pageSize:(i+l+1)*pageSize]) == eq {
+						l++
+					}
+					dst := off + int64((i+j)*pageSize)
+					if eq {
+						if err := cloneRange(f, s.file, s.off+int64(j*pageSize), dst, int64((l-j)*pageSize)); err != nil {
+							return shared, own, err
+						}
+						shared += int64(l - j)
+					} else {
+						if err := writeAt(f, buf[(i+j)*pageSize:(i+l)*pageSize], dst); err != nil {
+							return shared, own, err
+						}
+						own += int64(l - j)
+					}
+					j = l
+				}
+				i += k
+			}
+			done += n
+		}
+	}
+	return shared, own, nil
+}
+
+func writeAt(f *os.File, b []byte, off int64) error {
+	_, err := f.WriteAt(b, off)
+	return err
+}
+
+// cloneRange makes n bytes of dst at dstOff share src's data at srcOff.
+func cloneRange(dst, src *os.File, srcOff, dstOff, n int64) error {
+	err := unix.IoctlFileCloneRange(int(dst.Fd()), &unix.FileCloneRange{
+		Src_fd: int64(src.Fd()), Src_offset: uint64(srcOff), Src_length: uint64(n), Dest_offset: uint64(dstOff)})
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, unix.EXDEV), errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EINVAL):
+		return fmt.Errorf("%w: clone %s into %s: %v", ErrNoReflink, src.Name(), dst.Name(), err)
+	}
+	return fmt.Errorf("clone %s into %s: %w", src.Name(), dst.Name(), err)
+}
