@@ -82,6 +82,12 @@ type Report struct {
 	// sharing, the step's own file writes included) plus its process images' bytes once
 	// compacted. ImageBytesPerCheckpoint is the images alone.
 	StorageBytesPerCheckpoint Stats `json:"storage_bytes_per_checkpoint"`
+	// ImageDiskBytesPerCheckpoint is, where images are on the image pool, what each
+	// checkpoint after the base added to it on average, as the filesystem counts it
+	// (shared and compressed), measured around all of them once their background work is
+	// done; StorageRatio's mean then uses it for the images, as ImageBytesPerCheckpoint
+	// counts their own pages uncompressed.
+	ImageDiskBytesPerCheckpoint float64 `json:"image_disk_bytes_per_checkpoint,omitempty"`
 	// BaseCheckpointBytes is the same for the sandbox's first checkpoint, taken of W1's
 	// state before the first step: it holds that whole state (the REPL's 40 MB dict),
 	// which no step changed, so it is not one of StorageBytesPerCheckpoint's.
@@ -97,7 +103,9 @@ type Report struct {
 	// StepChangedBytes estimates what one step changes: the 3 edited files and git's
 	// index (each rewritten whole), the 1 MiB str added to the heap, the 10 rows.
 	StepChangedBytes int64 `json:"step_changed_bytes"`
-	// StorageRatio is mean StorageBytesPerCheckpoint / StepChangedBytes.
+	// StorageRatio is the mean storage per checkpoint / StepChangedBytes: the mean of
+	// StorageBytesPerCheckpoint, or with the image pool the filesystem deltas of the
+	// steps plus ImageDiskBytesPerCheckpoint.
 	StorageRatio float64 `json:"storage_ratio"`
 	// OverheadRSSBytes is the sandbox's overhead beyond its own processes: the RSS of
 	// its init (cairn-init).
@@ -181,9 +189,11 @@ type runner struct {
 	// added; their images are measured again once background compaction is done.
 	stepCks []string
 	stepFS  []float64
-	// baseCk is the base checkpoint (measureSteps) and baseFS the pool bytes it added.
-	baseCk string
-	baseFS float64
+	// baseCk is the base checkpoint (measureSteps) and baseFS the pool bytes it added;
+	// imgUsed0 the image pool's usage once its images were written.
+	baseCk   string
+	baseFS   float64
+	imgUsed0 int64
 }
 
 func (b *runner) phase(format string, args ...any) {

@@ -109,6 +109,14 @@ func (b *runner) measureSteps(ctx context.Context, n int) error {
 		return err
 	}
 	b.baseCk, b.baseFS = base.ID, float64(after-before)
+	// The base's images, written in the background, are not the steps': the image
+	// pool's usage is taken once they are (untimed).
+	if img := b.e.ImagePoolPath(); img != "" {
+		b.e.Quiesce()
+		if b.imgUsed0, err = poolUsed(img); err != nil {
+			return err
+		}
+	}
 	var dumped []float64
 	for i := 0; i < n; i++ {
 		before, err := poolUsed(root)
@@ -157,6 +165,17 @@ func (b *runner) finishStorage(ctx context.Context) error {
 	}
 	b.rep.StorageBytesPerCheckpoint = summarize(storage)
 	b.rep.ImageBytesPerCheckpoint = summarize(images)
+	mean := b.rep.StorageBytesPerCheckpoint.Mean
+	if img := b.e.ImagePoolPath(); img != "" && b.imgUsed0 > 0 {
+		// What every checkpoint since the base added to the image pool, once shared and
+		// compressed (the rows count the images' own pages uncompressed).
+		used, err := poolUsed(img)
+		if err != nil {
+			return err
+		}
+		b.rep.ImageDiskBytesPerCheckpoint = float64(used-b.imgUsed0) / float64(len(b.ckMS))
+		mean = summarize(b.stepFS).Mean + b.rep.ImageDiskBytesPerCheckpoint
+	}
 	if b.baseCk != "" {
 		ck, err := b.e.GetCheckpoint(ctx, b.baseCk)
 		if err != nil {
@@ -165,7 +184,7 @@ func (b *runner) finishStorage(ctx context.Context) error {
 		b.rep.BaseCheckpointBytes = int64(b.baseFS) + ck.ImageBytes
 	}
 	if b.rep.StepChangedBytes > 0 {
-		b.rep.StorageRatio = b.rep.StorageBytesPerCheckpoint.Mean / float64(b.rep.StepChangedBytes)
+		b.rep.StorageRatio = mean / float64(b.rep.StepChangedBytes)
 	}
 	return nil
 }

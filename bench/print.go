@@ -69,6 +69,9 @@ func (r *Report) Print(w io.Writer) {
 		mib(s.P50), mib(s.P95), mib(s.P99), mib(s.Mean), mib(r.ImageBytesPerCheckpoint.P50), mib(r.DumpedImageBytesPerCheckpoint.P50))
 	fmt.Fprintf(w, "bytes changed by a step: %s; storage ratio %.1f; the base checkpoint (W1's state before the steps): %s\n",
 		mib(float64(r.StepChangedBytes)), r.StorageRatio, mib(float64(r.BaseCheckpointBytes)))
+	if r.ImageDiskBytesPerCheckpoint > 0 {
+		fmt.Fprintf(w, "images on the image pool: %s a checkpoint on disk (shared with the parent's, compressed)\n", mib(r.ImageDiskBytesPerCheckpoint))
+	}
 	fmt.Fprintf(w, "sandbox overhead (cairn-init RSS): %s\n", mib(float64(r.OverheadRSSBytes)))
 	fmt.Fprintf(w, "correctness checks: %d passed, %d failed\n", r.Correctness.Passed, r.Correctness.Failed)
 	for _, f := range r.Correctness.Failures {

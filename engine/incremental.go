@@ -402,6 +402,9 @@ func (e *Engine) allImageDirs() []string {
 	for _, root := range imageRoots {
 		ents, _ := os.ReadDir(e.imagesPath(root))
 		for _, d := range ents {
+			if strings.HasPrefix(d.Name(), ".") {
+				continue // the image pool's own lock
+			}
 			c := e.imagesPath(filepath.Join(root, d.Name()))
 			out = append(out, c)
 			procs, _ := os.ReadDir(filepath.Join(c, procsDir))
@@ -484,8 +487,8 @@ func (e *Engine) imageLeftoversIn(root string) []string {
 	var out []string
 	ents, _ := os.ReadDir(e.imagesPath(root))
 	for _, d := range ents {
-		if strings.HasPrefix(d.Name(), stagingDir+"-") {
-			continue // a checkpoint's own staging, which sweep lists
+		if strings.HasPrefix(d.Name(), stagingDir+"-") || strings.HasPrefix(d.Name(), ".") {
+			continue // a checkpoint's own staging, which sweep lists; the pool's lock
 		}
 		rel := filepath.Join(root, d.Name())
 		rels := []string{rel}

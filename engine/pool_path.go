@@ -9,3 +9,12 @@ func (e *Engine) PoolPath(volume string) string {
 	}
 	return e.pool.Path(volume)
 }
+
+// ImagePoolPath returns the mount point of the image pool (Config.ImagePool), "" when
+// new checkpoints' images are not on one.
+func (e *Engine) ImagePoolPath() string {
+	if e.imgPool == nil {
+		return ""
+	}
+	return e.imgPool.Root()
+}

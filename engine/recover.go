@@ -131,6 +131,9 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 	for _, root := range imageRoots {
 		entries, _ = os.ReadDir(e.imagesPath(root))
 		for _, d := range entries {
+			if strings.HasPrefix(d.Name(), ".") {
+				continue // the image pool's own lock
+			}
 			name := filepath.Join(root, d.Name())
 			if rest, ok := strings.CutPrefix(d.Name(), stagingDir+"-"); ok {
 				if unlock, ok := e.tryLock(owner(rest)); ok {
