@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"time"
 
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 	"github.com/cairn-sandbox/cairn/internal/netns"
@@ -79,7 +80,17 @@ func setup() error {
 	}
 	bin := "/" + filepath.Join(initctl.Dir, initctl.InitBin)
 	env := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "GOMAXPROCS=1", "GOGC=50"}
-	return unix.Exec(bin, []string{"cairn-init", "serve"}, env)
+	// cairn wrote the binary (initctl.Install) just before starting us. Another of its
+	// goroutines may have forked a child meanwhile, which holds every descriptor cairn
+	// had open, the binary's write descriptor included, until it execs: the kernel then
+	// refuses to execute the file (ETXTBSY, golang/go#22315) for that short while.
+	for tries := 0; ; tries++ {
+		err := unix.Exec(bin, []string{"cairn-init", "serve"}, env)
+		if !errors.Is(err, unix.ETXTBSY) || tries == 200 {
+			return err
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // mountAll builds the sandbox's mount tree: the root (a bind of itself, so that it is a
