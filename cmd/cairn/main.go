@@ -27,6 +27,7 @@ type app struct {
 	dataDir   string
 	poolDir   string
 	poolImage string
+	imagePool string
 	json      bool
 	jsonHint  bool // --json is on the command line (even if parsing failed before it)
 
@@ -84,7 +85,7 @@ func (a *app) engine(ctx context.Context) (*engine.Engine, error) {
 	if a.eng != nil {
 		return a.eng, nil
 	}
-	cfg := engine.Config{DataDir: a.dataDir, PoolDir: a.poolDir, PoolImage: a.poolImage, StandbyRestores: a.standbyRestores,
+	cfg := engine.Config{DataDir: a.dataDir, PoolDir: a.poolDir, PoolImage: a.poolImage, ImagePool: a.imagePool, StandbyRestores: a.standbyRestores,
 		// Problems of background work (durable copies, standbys, compaction) of this
 		// in-process engine; cairnd logs them.
 		Logf: func(format string, args ...any) { fmt.Fprintf(os.Stderr, "cairn: background: "+format+"\n", args...) }}
@@ -170,6 +171,7 @@ func newRootCmd(a *app) *cobra.Command {
 	pf.StringVar(&a.url, "url", os.Getenv("CAIRN_URL"), "cairnd to talk to: unix:///path.sock or http://host:port with $CAIRN_TOKEN (default: the local cairnd if it serves --data-dir, else in process; env CAIRN_URL)")
 	pf.StringVar(&a.poolDir, "pool-dir", os.Getenv("CAIRN_POOL_DIR"), "advanced: btrfs pool mount point (default DATA_DIR/pool; env CAIRN_POOL_DIR)")
 	pf.StringVar(&a.poolImage, "pool-image", os.Getenv("CAIRN_POOL_IMAGE"), `advanced: pool image file, "none" to use --pool-dir as is (default DATA_DIR/pool.img; env CAIRN_POOL_IMAGE)`)
+	pf.StringVar(&a.imagePool, "image-pool", os.Getenv("CAIRN_IMAGE_POOL"), `advanced: image file of the btrfs filesystem that holds process images, "none" to keep them on the data directory's filesystem in incremental chains (default DATA_DIR/imgs.img; env CAIRN_IMAGE_POOL)`)
 	root.AddCommand(
 		newCreateCmd(a), newExecCmd(a), newStdinCmd(a), newCheckpointCmd(a), newRollbackCmd(a),
 		newForkCmd(a), newPrewarmCmd(a), newTreeCmd(a), newRmCmd(a), newLsCmd(a), newInspectCmd(a), newDiffCmd(a),

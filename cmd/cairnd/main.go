@@ -32,6 +32,7 @@ func main() {
 	flag.StringVar(&cfg.Engine.DataDir, "data-dir", envOr("CAIRN_DATA_DIR", engine.DefaultDataDir), "state directory (env CAIRN_DATA_DIR)")
 	flag.StringVar(&cfg.Engine.PoolDir, "pool-dir", os.Getenv("CAIRN_POOL_DIR"), "btrfs pool mount point (default DATA_DIR/pool)")
 	flag.StringVar(&cfg.Engine.PoolImage, "pool-image", os.Getenv("CAIRN_POOL_IMAGE"), `pool image file, "none" to use --pool-dir as is`)
+	flag.StringVar(&cfg.Engine.ImagePool, "image-pool", os.Getenv("CAIRN_IMAGE_POOL"), `image file of the btrfs filesystem for process images (default DATA_DIR/imgs.img), "none" to keep them on the data directory's filesystem, in incremental chains`)
 	flag.StringVar(&cfg.Socket, "socket", envOr("CAIRND_SOCKET", api.DefaultSocket), `unix socket to serve on ("none": no socket)`)
 	flag.StringVar(&cfg.SocketGroup, "socket-group", "cairn", "group allowed to use the socket (if it exists)")
 	flag.StringVar(&cfg.TCP, "tcp", "", "also serve on this TCP host:port (needs --token-file)")
