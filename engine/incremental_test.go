@@ -23,21 +23,9 @@ func TestIncrementalImages(t *testing.T) {
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents, c.ImagePool = -1, -1, "none" })
 	ctx := context.Background()
 	sb, r := newREPL(t, e, true)
-	r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
-	state := func() string { return r.ask("print(step, hashlib.sha256(b).hexdigest())") }
-
+	state := func() string { return r.ask(bufferState) }
 	const steps = 4
-	var cks []*model.Checkpoint
-	var states []string
-	for k := 1; k <= steps; k++ {
-		r.ask(fmt.Sprintf("step = %d\nb[%d << 20:%d << 20] = bytes([%d]) * (1 << 20)", k, k, k+1, k))
-		states = append(states, state())
-		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		cks = append(cks, ck)
-	}
+	cks, states := bufferCheckpoints(t, e, sb.ID, r, steps)
 	e.Quiesce()
 	get := func(id string) *model.Checkpoint {
 		ck, err := e.GetCheckpoint(ctx, id)
@@ -94,6 +82,28 @@ func TestIncrementalImages(t *testing.T) {
 	if l := e.Leftovers(); len(l) > 0 {
 		t.Fatalf("leftovers after deleting the chain: %v", l)
 	}
+}
+
+// bufferState prints the state of bufferCheckpoints' REPL: its step and buffer.
+const bufferState = "print(step, hashlib.sha256(b).hexdigest())"
+
+// bufferCheckpoints fills the REPL with a 48 MiB buffer, then takes n checkpoints of the
+// sandbox, each after rewriting 1 MiB of it; it returns them with the state each holds.
+func bufferCheckpoints(t *testing.T, e *engine.Engine, sb string, r *repl, n int) ([]*model.Checkpoint, []string) {
+	t.Helper()
+	r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
+	var cks []*model.Checkpoint
+	var states []string
+	for k := 1; k <= n; k++ {
+		r.ask(fmt.Sprintf("step = %d\nb[%d << 20:%d << 20] = bytes([%d]) * (1 << 20)", k, k, k+1, k))
+		states = append(states, r.ask(bufferState))
+		ck, err := e.Checkpoint(context.Background(), sb, engine.CheckpointOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cks = append(cks, ck)
+	}
+	return cks, states
 }
 
 // repl drives a Python REPL in a sandbox.
@@ -169,22 +179,11 @@ func TestSharedImages(t *testing.T) {
 			})
 			ctx := context.Background()
 			sb, r := newREPL(t, e, true)
-			r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
-			state := func(r *repl) string { return r.ask("print(step, hashlib.sha256(b).hexdigest())") }
-			const steps = 3
-			var cks []*model.Checkpoint
-			var states []string
-			for k := 1; k <= steps; k++ {
-				r.ask(fmt.Sprintf("step = %d\nb[%d << 20:%d << 20] = bytes([%d]) * (1 << 20)", k, k, k+1, k))
-				states = append(states, state(r))
-				ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
-				if err != nil {
-					t.Fatal(err)
-				}
+			cks, states := bufferCheckpoints(t, e, sb.ID, r, 3)
+			for k, ck := range cks {
 				if !strings.HasPrefix(ck.Images, "imgs/") {
-					t.Fatalf("checkpoint %d's images are in %s, not on the image pool (imgs/)", k, ck.Images)
+					t.Fatalf("checkpoint %d's images are in %s, not on the image pool (imgs/)", k+1, ck.Images)
 				}
-				cks = append(cks, ck)
 			}
 			e.Quiesce()
 			var first int64
@@ -216,7 +215,7 @@ func TestSharedImages(t *testing.T) {
 				if err := e.Rollback(ctx, sb.ID, cks[k].ID); err != nil {
 					t.Fatalf("rollback to checkpoint %d: %v", k+1, err)
 				}
-				if got := state(r); got != states[k] {
+				if got := r.ask(bufferState); got != states[k] {
 					t.Fatalf("after rollback to checkpoint %d: %q, want %q", k+1, got, states[k])
 				}
 			}

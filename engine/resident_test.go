@@ -25,22 +25,12 @@ func TestResidentImages(t *testing.T) {
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.ImagePool = -1, "none" })
 	ctx := context.Background()
 	sb, r := newREPL(t, e, true)
-	r.ask("import hashlib\nb = bytearray(48 << 20)\nfor i in range(0, len(b), 4096): b[i:i+8] = i.to_bytes(8, 'little')\n")
-	state := func(r *repl) string { return r.ask("print(step, hashlib.sha256(b).hexdigest())") }
-	const steps = 3
-	var cks []*model.Checkpoint
-	var states []string
-	for k := 1; k <= steps; k++ {
-		r.ask(fmt.Sprintf("step = %d\nb[%d << 20:%d << 20] = bytes([%d]) * (1 << 20)", k, k, k+1, k))
-		states = append(states, state(r))
-		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
+	state := func(r *repl) string { return r.ask(bufferState) }
+	cks, states := bufferCheckpoints(t, e, sb.ID, r, 3)
+	for k, ck := range cks {
 		if ck.Method != "zygote" {
-			t.Fatalf("checkpoint %d: method %s, want zygote (resident)", k, ck.Method)
+			t.Fatalf("checkpoint %d: method %s, want zygote (resident)", k+1, ck.Method)
 		}
-		cks = append(cks, ck)
 	}
 	e.Quiesce()
 	procsOf := func(ck *model.Checkpoint) string {

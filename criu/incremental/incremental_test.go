@@ -270,18 +270,25 @@ func checkClean(t *testing.T, dir string) {
 	}
 }
 
-func TestChain(t *testing.T) {
-	criuPath := needCRIU(t)
-	base := imagesDir(t)
-	tr := startTree(t, base)
-	d1, d2, d3 := filepath.Join(base, "c1"), filepath.Join(base, "c2"), filepath.Join(base, "c3")
+// threeDumps starts the tree in base and dumps it three times, into c1, c2 and c3, with
+// a change before each of the last two; s2 and s3 are the memory they hold.
+func threeDumps(t *testing.T, criuPath, base string) (tr *tree, d1, d2, d3 string, s2, s3 []string) {
+	t.Helper()
+	tr = startTree(t, base)
+	d1, d2, d3 = filepath.Join(base, "c1"), filepath.Join(base, "c2"), filepath.Join(base, "c3")
 	dump(t, criuPath, tr, d1)
 	tr.change(1)
-	s2 := tr.sums()
+	s2 = tr.sums()
 	dump(t, criuPath, tr, d2)
 	tr.change(2)
-	s3 := tr.sums()
+	s3 = tr.sums()
 	dump(t, criuPath, tr, d3)
+	return tr, d1, d2, d3, s2, s3
+}
+
+func TestChain(t *testing.T) {
+	criuPath := needCRIU(t)
+	tr, d1, d2, d3, s2, s3 := threeDumps(t, criuPath, imagesDir(t))
 	full := dirBytes(t, d2)
 
 	res, err := Compact(d2, d1, Options{})
@@ -338,16 +345,41 @@ func TestChain(t *testing.T) {
 
 // TestCrash kills a rewrite at each of its crash points and checks that the directory,
 // once swept, restores the dumped memory, and that running the rewrite again completes.
+// twoDumps starts the tree in base and dumps it twice, into c1 and c2, with a change
+// in between; s2 is the memory c2 holds.
+func twoDumps(t *testing.T, criuPath, base string) (tr *tree, d1, d2 string, s2 []string) {
+	t.Helper()
+	tr = startTree(t, base)
+	d1, d2 = filepath.Join(base, "c1"), filepath.Join(base, "c2")
+	dump(t, criuPath, tr, d1)
+	tr.change(1)
+	s2 = tr.sums()
+	dump(t, criuPath, tr, d2)
+	return tr, d1, d2, s2
+}
+
+// crash runs the rewrite op ("compact:DIR:PARENT", "flatten:DIR", ...) in a child
+// process killed at the crash point at, and checks that it died there, leaving files
+// to sweep (every crash point follows a write).
+func crash(t *testing.T, at, op string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "CAIRN_INCR_HELPER="+op, "CAIRN_TEST_CRASH_AT="+at)
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("%s at %s: want a SIGKILL, got %v: %s", op, at, err, out)
+	}
+	dir := strings.Split(op, ":")[1]
+	if l, err := Leftovers(dir); err != nil || len(l) == 0 {
+		t.Fatalf("%s at %s: Leftovers says %v, %v; want the crash's files", op, at, l, err)
+	}
+}
+
 func TestCrash(t *testing.T) {
 	criuPath := needCRIU(t)
 	base := imagesDir(t)
-	tr := startTree(t, base)
-	d1, d2 := filepath.Join(base, "c1"), filepath.Join(base, "c2")
-	dump(t, criuPath, tr, d1)
-	tr.change(1)
-	s2 := tr.sums()
-	dump(t, criuPath, tr, d2)
-
+	tr, d1, d2, s2 := twoDumps(t, criuPath, base)
 	copyDir := func(name, from string) string {
 		to := filepath.Join(base, name)
 		if out, err := exec.Command("cp", "-a", from, to).CombinedOutput(); err != nil {
@@ -355,25 +387,10 @@ func TestCrash(t *testing.T) {
 		}
 		return to
 	}
-	crash := func(at, op string) {
-		t.Helper()
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), "CAIRN_INCR_HELPER="+op, "CAIRN_TEST_CRASH_AT="+at)
-		out, err := cmd.CombinedOutput()
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-			t.Fatalf("%s at %s: want a SIGKILL, got %v: %s", op, at, err, out)
-		}
-		// Every crash point follows a write: there is something to sweep.
-		dir := strings.Split(op, ":")[1]
-		if l, err := Leftovers(dir); err != nil || len(l) == 0 {
-			t.Fatalf("%s at %s: Leftovers says %v, %v; want the crash's files", op, at, l, err)
-		}
-	}
 	for i, at := range []string{"incremental-pages", "incremental-pagemap", "incremental-link", "incremental-switch"} {
 		t.Run("compact/"+at, func(t *testing.T) {
 			d := copyDir(fmt.Sprintf("compact%d", i), d2)
-			crash(at, "compact:"+d+":"+d1)
+			crash(t, at, "compact:"+d+":"+d1)
 			if err := Sweep(d); err != nil {
 				t.Fatal(err)
 			}
@@ -396,7 +413,7 @@ func TestCrash(t *testing.T) {
 	for i, at := range []string{"incremental-switch", "incremental-unlink"} {
 		t.Run("flatten/"+at, func(t *testing.T) {
 			d := copyDir(fmt.Sprintf("flatten%d", i), inc)
-			crash(at, "flatten:"+d)
+			crash(t, at, "flatten:"+d)
 			if err := Sweep(d); err != nil {
 				t.Fatal(err)
 			}

@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -80,15 +79,7 @@ func used(t *testing.T, dir string) int64 {
 func TestShare(t *testing.T) {
 	criuPath := needCRIU(t)
 	base := btrfsDir(t)
-	tr := startTree(t, base)
-	d1, d2, d3 := filepath.Join(base, "c1"), filepath.Join(base, "c2"), filepath.Join(base, "c3")
-	dump(t, criuPath, tr, d1)
-	tr.change(1)
-	s2 := tr.sums()
-	dump(t, criuPath, tr, d2)
-	tr.change(2)
-	s3 := tr.sums()
-	dump(t, criuPath, tr, d3)
+	tr, d1, d2, d3, s2, s3 := threeDumps(t, criuPath, base)
 	sums2, sums3 := pagesSums(t, d2), pagesSums(t, d3)
 	// A copy of c3 on another filesystem, for the refusal at the end.
 	other := t.TempDir()
@@ -143,20 +134,8 @@ func TestShare(t *testing.T) {
 // the directory sweeps clean, restores, and a second Share completes.
 func TestShareCrash(t *testing.T) {
 	criuPath := needCRIU(t)
-	base := btrfsDir(t)
-	tr := startTree(t, base)
-	d1, d2 := filepath.Join(base, "c1"), filepath.Join(base, "c2")
-	dump(t, criuPath, tr, d1)
-	tr.change(1)
-	s2 := tr.sums()
-	dump(t, criuPath, tr, d2)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), "CAIRN_INCR_HELPER=share:"+d2+":"+d1, "CAIRN_TEST_CRASH_AT=share-pages")
-	out, err := cmd.CombinedOutput()
-	var ee *exec.ExitError
-	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-		t.Fatalf("share at share-pages: want a SIGKILL, got %v: %s", err, out)
-	}
+	tr, d1, d2, s2 := twoDumps(t, criuPath, btrfsDir(t))
+	crash(t, "share-pages", "share:"+d2+":"+d1)
 	if l, err := Leftovers(d2); err != nil || len(l) == 0 || !strings.HasSuffix(l[0], tmpSuffix) {
 		t.Fatalf("after the crash Leftovers says %v, %v; want the temporary pages file", l, err)
 	}
