@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 )
 
 // cgroupRoot is where the v1 controllers are mounted on this machine kind (hybrid mode).
@@ -138,28 +139,10 @@ func joinCgroups(id string, pid int) error {
 }
 
 // cgroupPids lists the processes in the sandbox's freezer cgroup.
-func cgroupPids(id string) []int {
-	b, _ := os.ReadFile(filepath.Join(ctrlDir("freezer", id), "cgroup.procs"))
-	var pids []int
-	for _, f := range strings.Fields(string(b)) {
-		if p, err := strconv.Atoi(f); err == nil {
-			pids = append(pids, p)
-		}
-	}
-	return pids
-}
+func cgroupPids(id string) []int { return freezer.Procs(ctrlDir("freezer", id)) }
 
 // cgroupTasks lists every thread in the sandbox's freezer cgroup.
-func cgroupTasks(id string) []int {
-	b, _ := os.ReadFile(filepath.Join(ctrlDir("freezer", id), "tasks"))
-	var pids []int
-	for _, f := range strings.Fields(string(b)) {
-		if p, err := strconv.Atoi(f); err == nil {
-			pids = append(pids, p)
-		}
-	}
-	return pids
-}
+func cgroupTasks(id string) []int { return freezer.Tasks(ctrlDir("freezer", id)) }
 
 // removeCgroups deletes the sandbox's cgroups; they must be empty.
 func removeCgroups(id string) error {
@@ -181,34 +164,9 @@ func removeCgroups(id string) error {
 }
 
 // freeze stops every task of the sandbox and waits until the freezer reports FROZEN.
-func freeze(id string) error { return setFreezer(id, "FROZEN") }
+func freeze(id string) error { return freezer.Set(ctrlDir("freezer", id), freezer.Frozen) }
 
-func thaw(id string) error { return setFreezer(id, "THAWED") }
-
-func setFreezer(id, state string) error {
-	f := filepath.Join(ctrlDir("freezer", id), "freezer.state")
-	if err := os.WriteFile(f, []byte(state), 0); err != nil {
-		return fmt.Errorf("freezer: %w", err)
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for delay := 50 * time.Microsecond; ; delay *= 2 {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return fmt.Errorf("freezer: %w", err)
-		}
-		if strings.TrimSpace(string(b)) == state {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("freezer: sandbox %s did not reach %s in 10s", id, state)
-		}
-		if state == "FROZEN" {
-			// A task in an uninterruptible sleep can stall FREEZING; writing again retries.
-			os.WriteFile(f, []byte(state), 0)
-		}
-		time.Sleep(min(delay, 2*time.Millisecond))
-	}
-}
+func thaw(id string) error { return freezer.Set(ctrlDir("freezer", id), freezer.Thawed) }
 
 // MemoryBytes is the anonymous memory resident in the sandbox's memory cgroup
 // (memory.stat total_rss): what its processes hold, without the page cache they read.

@@ -10,12 +10,14 @@ import (
 	"sort"
 	"strconv"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/criu/fixup"
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
-	"golang.org/x/sys/unix"
 )
 
 // Durable copies of resident checkpoints, and their restore.
@@ -106,17 +108,14 @@ func criuCgroup(cgroup string) (string, error) {
 // holdCRIU freezes the sandbox's background CRIU, if one runs, and returns the thaw.
 func holdCRIU(cgroup string) (func(), error) {
 	dir := filepath.Join(cgroupRoot, "freezer", "cairn-criu", cgroup)
-	if len(readPids(filepath.Join(dir, "cgroup.procs"))) == 0 {
+	if len(freezer.Procs(dir)) == 0 {
 		return func() {}, nil
 	}
-	if err := setFreezerDir(dir, "FROZEN"); err != nil {
+	if err := freezer.Set(dir, freezer.Frozen); err != nil {
+		freezer.Write(dir, freezer.Thawed)
 		return nil, err
 	}
-	if err := waitFreezer(dir, "FROZEN"); err != nil {
-		setFreezerDir(dir, "THAWED")
-		return nil, err
-	}
-	return func() { setFreezerDir(dir, "THAWED") }, nil
+	return func() { freezer.Write(dir, freezer.Thawed) }, nil
 }
 
 // specOf is what the images of p's zygote must become.

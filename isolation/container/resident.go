@@ -20,6 +20,7 @@ import (
 	"github.com/cairn-sandbox/cairn/internal/phase"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
 )
 
@@ -253,14 +254,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		}
 		reverted <- err
 	}()
-	var revertErr error
-	revertDone := false
-	waitRevert := func() error {
-		if !revertDone {
-			revertErr, revertDone = <-reverted, true
-		}
-		return revertErr
-	}
+	waitRevert := sync.OnceValue(func() error { return <-reverted })
 	t = time.Now()
 	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: waitRevert, Phase: prefixed(ctx, "spawn_")})
 	if rerr := waitRevert(); err == nil {
@@ -314,17 +308,13 @@ func killAndRevert(ctx context.Context, sb *isolation.Sandbox, revert func(conte
 	return holdCRIU(sb.CgroupName())
 }
 
-// adoptStrays moves into the sandbox's freezer cgroup every task of rec's zygote cgroups
-// but the zygotes: processes a rollback forked and never released, because cairn died
-// in the middle of it. There they are the sandbox's processes, which the rollback kills.
+// adoptStrays moves into the sandbox's freezer cgroup the strays of rec's zygotes
+// (processes a rollback forked and never released, because cairn died in the middle of
+// it). There they are the sandbox's processes, which the rollback kills.
 func adoptStrays(rec *zygote.Record, sb *isolation.Sandbox) {
 	procs := filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs")
-	for _, p := range rec.Procs {
-		for _, pid := range readPids(filepath.Join(p.Cgroup, "cgroup.procs")) {
-			if pid != p.Zygote.Pid {
-				os.WriteFile(procs, []byte(strconv.Itoa(pid)), 0)
-			}
-		}
+	for _, pid := range rec.Strays() {
+		os.WriteFile(procs, []byte(strconv.Itoa(pid)), 0)
 	}
 }
 
@@ -365,33 +355,6 @@ func killAllButInit(sb *isolation.Sandbox) error {
 	return nil
 }
 
-// setFreezerDir sets the state of a freezer cgroup given by its directory.
-func setFreezerDir(dir, state string) error {
-	if err := os.WriteFile(filepath.Join(dir, "freezer.state"), []byte(state), 0); err != nil {
-		return fmt.Errorf("freezer %s: %w", dir, err)
-	}
-	return nil
-}
-
-// waitFreezer waits until a freezer cgroup reaches state.
-func waitFreezer(dir, state string) error {
-	f := filepath.Join(dir, "freezer.state")
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return fmt.Errorf("freezer %s: %w", dir, err)
-		}
-		if strings.TrimSpace(string(b)) == state {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("freezer %s did not reach %s", dir, state)
-		}
-		time.Sleep(50 * time.Microsecond)
-	}
-}
-
 // dropAllZygotes kills every zygote of a sandbox and removes their cgroups (Stop): a
 // frozen zygote would otherwise keep the dying pid namespace's init from exiting.
 func dropAllZygotes(cgroup string) {
@@ -405,10 +368,10 @@ func dropAllZygotes(cgroup string) {
 	})
 	for i := len(dirs) - 1; i >= 0; i-- {
 		d := dirs[i]
-		for _, p := range readPids(filepath.Join(d, "cgroup.procs")) {
+		for _, p := range freezer.Procs(d) {
 			unix.Kill(p, unix.SIGKILL)
 		}
-		os.WriteFile(filepath.Join(d, "freezer.state"), []byte("THAWED"), 0)
+		freezer.Write(d, freezer.Thawed)
 	}
 	for i := len(dirs) - 1; i >= 0; i-- {
 		for j := 0; j < 400; j++ {
@@ -420,22 +383,11 @@ func dropAllZygotes(cgroup string) {
 	}
 }
 
-func readPids(procs string) []int {
-	b, _ := os.ReadFile(procs)
-	var out []int
-	for _, f := range strings.Fields(string(b)) {
-		if p, err := strconv.Atoi(f); err == nil {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
 // hasZygotes reports whether the sandbox has any zygote (a tree dump would take them in).
 func hasZygotes(cgroup string) bool {
 	found := false
 	filepath.WalkDir(zygoteRoot(cgroup), func(path string, d os.DirEntry, err error) error {
-		if err == nil && d.IsDir() && len(readPids(filepath.Join(path, "cgroup.procs"))) > 0 {
+		if err == nil && d.IsDir() && len(freezer.Procs(path)) > 0 {
 			found = true
 			return filepath.SkipAll
 		}

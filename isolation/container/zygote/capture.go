@@ -8,13 +8,13 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 )
 
 // stopTimeout bounds how long a process may take to stop for us.
@@ -207,7 +207,7 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 	if err := os.MkdirAll(zp.Cgroup, 0o755); err != nil {
 		return fmt.Errorf("zygote cgroup: %w", err)
 	}
-	if err := os.WriteFile(filepath.Join(zp.Cgroup, "freezer.state"), []byte("FROZEN"), 0); err != nil {
+	if err := freezer.Write(zp.Cgroup, freezer.Frozen); err != nil {
 		return fmt.Errorf("zygote cgroup: %w", err)
 	}
 	z, err := p.Fork(unix.CLONE_PARENT)
@@ -341,17 +341,14 @@ func Kill(r *Record) error {
 
 // KillCgroup kills every task of a zygote's freezer cgroup and removes it.
 func KillCgroup(dir string) error {
-	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
-	if os.IsNotExist(err) {
+	if _, err := os.Stat(dir); os.IsNotExist(err) {
 		return nil
 	}
-	for _, f := range strings.Fields(string(b)) {
-		if pid, err := strconv.Atoi(f); err == nil {
-			unix.Kill(pid, unix.SIGKILL)
-		}
+	for _, pid := range freezer.Procs(dir) {
+		unix.Kill(pid, unix.SIGKILL)
 	}
 	// A frozen task dies only once thawed.
-	os.WriteFile(filepath.Join(dir, "freezer.state"), []byte("THAWED"), 0)
+	freezer.Write(dir, freezer.Thawed)
 	return removeCgroup(dir)
 }
 

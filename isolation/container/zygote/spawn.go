@@ -7,13 +7,13 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 )
 
 // SpawnOptions are the options of Spawn.
@@ -156,8 +156,8 @@ func wake(r *Record) ([]*ptrace.Tracee, error) {
 	err := ptrace.Window(func() error {
 		thawed := make([]bool, len(zs))
 		for i, p := range r.Procs {
-			thawed[i] = !frozenCgroup(p.Cgroup)
-			if err := setFreezer(p.Cgroup, "THAWED"); err != nil {
+			thawed[i] = !freezer.IsFrozen(p.Cgroup)
+			if err := freezer.Set(p.Cgroup, freezer.Thawed); err != nil {
 				return err
 			}
 		}
@@ -198,12 +198,6 @@ func rest(z *ptrace.Tracee, p *Proc, thawed bool) error {
 	return nil
 }
 
-// frozenCgroup reports whether a freezer cgroup directory is FROZEN.
-func frozenCgroup(dir string) bool {
-	b, err := os.ReadFile(filepath.Join(dir, "freezer.state"))
-	return err == nil && strings.TrimSpace(string(b)) == "FROZEN"
-}
-
 // park freezes the zygotes (and the processes just forked from them, in the same
 // cgroups) again and lets go of them: their registers are restored, and each freezes
 // before it runs an instruction.
@@ -213,8 +207,7 @@ func park(r *Record, zs []*ptrace.Tracee, o SpawnOptions) {
 		if z == nil {
 			continue
 		}
-		f := filepath.Join(r.Procs[i].Cgroup, "freezer.state")
-		os.WriteFile(f, []byte("FROZEN"), 0)
+		freezer.Write(r.Procs[i].Cgroup, freezer.Frozen)
 		// Stopped by us in a frozen cgroup, each freezes as soon as it is let go: its
 		// own registers can go back now.
 		z.Unpark()
@@ -225,31 +218,9 @@ func park(r *Record, zs []*ptrace.Tracee, o SpawnOptions) {
 		}
 	}
 	for _, p := range r.Procs {
-		setFreezer(p.Cgroup, "FROZEN")
+		freezer.Set(p.Cgroup, freezer.Frozen)
 	}
 	report(o.Phase, "park", t)
-}
-
-// setFreezer writes a freezer cgroup's state and waits until it is reached.
-func setFreezer(dir, state string) error {
-	f := filepath.Join(dir, "freezer.state")
-	if err := os.WriteFile(f, []byte(state), 0); err != nil {
-		return fmt.Errorf("freezer %s: %w", dir, err)
-	}
-	deadline := time.Now().Add(stopTimeout)
-	for delay := 20 * time.Microsecond; ; delay = min(2*delay, time.Millisecond) {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return fmt.Errorf("freezer %s: %w", dir, err)
-		}
-		if strings.TrimSpace(string(b)) == state {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("freezer %s did not reach %s", dir, state)
-		}
-		time.Sleep(delay)
-	}
 }
 
 // spawnOne forks the process of p from its zygote, with its PID, session and registers;
@@ -513,63 +484,45 @@ func (r *Record) Zygotes() []isolation.Proc {
 }
 
 // Settle brings the zygotes of r back to rest after a crash in the middle of a Spawn:
-// processes forked from them and never released (strays, in a zygote's cgroup) are
-// killed, and a zygote whose cgroup is thawed, parked in pause(2), gets its registers
-// back from the record and is frozen again. It does nothing to zygotes at rest, and
-// must not run beside a Spawn of the same record (the caller's lock).
+// its strays are killed, and a zygote whose cgroup is thawed, parked in pause(2), gets
+// its registers back from the record and is frozen again (as a Spawn's wake and park
+// do). It does nothing to zygotes at rest, and must not run beside a Spawn of the same
+// record (the caller's lock).
 func Settle(tr *ptrace.Tracer, r *Record) error {
+	Discard(r.Strays())
+	thawed := &Record{}
 	for _, p := range r.Procs {
-		var strays []int
-		for _, pid := range cgroupPids(p.Cgroup) {
-			if pid != p.Zygote.Pid {
-				strays = append(strays, pid)
-			}
-		}
-		Discard(strays)
-		if frozenCgroup(p.Cgroup) || !p.Zygote.Alive() {
+		if freezer.IsFrozen(p.Cgroup) || !p.Zygote.Alive() {
 			continue
 		}
 		if p.Regs == nil {
 			return fmt.Errorf("zygote of process %d is thawed and its record has no registers to give it back", p.NSPid)
 		}
-		err := tr.Do(func() error {
-			z, err := ptrace.Seize(p.Zygote.Pid)
-			if err != nil {
-				return err
-			}
-			if err := z.Interrupt(); err != nil {
-				return err
-			}
-			if err := z.Wait(stopTimeout); err != nil {
-				tr.Forget(z)
-				return err
-			}
-			if err := rest(z, &p, true); err != nil {
-				return err
-			}
-			if err := os.WriteFile(filepath.Join(p.Cgroup, "freezer.state"), []byte("FROZEN"), 0); err != nil {
-				z.Detach()
-				return err
-			}
-			return z.Detach()
-		})
-		if err != nil {
-			return fmt.Errorf("settle the zygote of process %d: %w", p.NSPid, err)
-		}
-		if err := setFreezer(p.Cgroup, "FROZEN"); err != nil {
-			return err
-		}
+		thawed.Procs = append(thawed.Procs, p)
+	}
+	if len(thawed.Procs) == 0 {
+		return nil
+	}
+	err := tr.Do(func() error {
+		zs, err := wake(thawed)
+		park(thawed, zs, SpawnOptions{})
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("settle the zygotes: %w", err)
 	}
 	return nil
 }
 
-// cgroupPids lists the tasks of a freezer cgroup directory.
-func cgroupPids(dir string) []int {
-	b, _ := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+// Strays are the processes in r's zygotes' cgroups other than the zygotes: processes a
+// Spawn forked and never released, because cairn died in the middle of it.
+func (r *Record) Strays() []int {
 	var out []int
-	for _, f := range strings.Fields(string(b)) {
-		if pid, err := strconv.Atoi(f); err == nil {
-			out = append(out, pid)
+	for _, p := range r.Procs {
+		for _, pid := range freezer.Procs(p.Cgroup) {
+			if pid != p.Zygote.Pid {
+				out = append(out, pid)
+			}
 		}
 	}
 	return out
