@@ -136,11 +136,10 @@ type Tracee struct {
 	parked *unix.PtraceRegs
 }
 
-// windows counts the tracees in a crash window, process-wide.
+// windows counts the tracees (and Window calls) in a crash window, process-wide.
 var windows struct {
-	mu   sync.Mutex
-	cond sync.Cond
-	n    int
+	mu sync.Mutex
+	n  int
 }
 
 // betweenWait bounds how long Between waits for the windows to close: a tracee lost in
@@ -149,24 +148,16 @@ const betweenWait = 5 * time.Second
 
 // Between runs f while no tracee of this process is in a crash window, and holds every
 // window shut while f runs: f may kill the process. It waits at most a few seconds for
-// open windows to close, then runs f anyway.
+// open windows to close, then runs f anyway. It polls: it serves tests' crash points.
 func Between(f func()) {
-	windows.mu.Lock()
-	defer windows.mu.Unlock()
-	if windows.cond.L == nil {
-		windows.cond.L = &windows.mu
-	}
 	deadline := time.Now().Add(betweenWait)
+	windows.mu.Lock()
 	for windows.n > 0 && time.Now().Before(deadline) {
-		// sync.Cond has no timed wait: a ticker wakes it.
-		stop := time.AfterFunc(10*time.Millisecond, func() {
-			windows.mu.Lock()
-			windows.cond.Broadcast()
-			windows.mu.Unlock()
-		})
-		windows.cond.Wait()
-		stop.Stop()
+		windows.mu.Unlock()
+		time.Sleep(100 * time.Microsecond)
+		windows.mu.Lock()
 	}
+	defer windows.mu.Unlock()
 	f()
 }
 
@@ -174,17 +165,15 @@ func Between(f func()) {
 // state that must not outlive a crash of this process while f runs, beyond a tracee's
 // registers (say, a pid namespace's next PID lowered for an injected fork).
 func Window(f func() error) error {
-	windows.mu.Lock()
-	windows.n++
-	windows.mu.Unlock()
-	defer func() {
-		windows.mu.Lock()
-		if windows.n--; windows.n == 0 && windows.cond.L != nil {
-			windows.cond.Broadcast()
-		}
-		windows.mu.Unlock()
-	}()
+	openWindows(1)
+	defer openWindows(-1)
 	return f()
+}
+
+func openWindows(d int) {
+	windows.mu.Lock()
+	windows.n += d
+	windows.mu.Unlock()
 }
 
 // setInjected opens or closes the tracee's crash window.
@@ -192,14 +181,12 @@ func (t *Tracee) setInjected(on bool) {
 	if t.injected == on {
 		return
 	}
-	windows.mu.Lock()
 	t.injected = on
 	if on {
-		windows.n++
-	} else if windows.n--; windows.n == 0 && windows.cond.L != nil {
-		windows.cond.Broadcast()
+		openWindows(1)
+	} else {
+		openWindows(-1)
 	}
-	windows.mu.Unlock()
 }
 
 // Options every tracee is seized with: the children it forks or clones are attached too
