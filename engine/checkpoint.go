@@ -184,12 +184,9 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	sb.Head = ck.ID
 	record("publish", time.Since(t))
 	t = time.Now()
-	phasesMu.Lock()
-	ck.PhasesMS = phases
+	ck.PhasesMS = phases // the backend's phases, some reported from another goroutine, are all in
 	ck.DurationMS = float64(time.Since(start).Microseconds()) / 1000
-	err = e.db.AddCheckpoint(ctx, ck, sb)
-	phasesMu.Unlock()
-	if err != nil {
+	if err := e.db.AddCheckpoint(ctx, ck, sb); err != nil {
 		e.removeCheckpointFiles(context.WithoutCancel(ctx), ck.ID)
 		return nil, err
 	}

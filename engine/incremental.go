@@ -297,7 +297,7 @@ func (e *Engine) share(ctx context.Context, ck *model.Checkpoint, pairs map[stri
 		if err != nil {
 			return err
 		}
-		sharedBytes += res.SharedPages * pageSize
+		sharedBytes += res.SharedBytes()
 		// A directory shared before a crash says what it shares (its marker).
 		done = done || res.Tasks > 0 || res.SharedPages > 0
 	}
@@ -317,9 +317,6 @@ func (e *Engine) share(ctx context.Context, ck *model.Checkpoint, pairs map[stri
 	}
 	return e.db.SetCheckpointImages(ctx, ck.ID, method, after)
 }
-
-// pageSize is the size of a page in CRIU's images.
-const pageSize = 4096
 
 // removeImages removes a checkpoint's images directory after rebasing every directory
 // linked to it (or to one of its per-process directories) onto its own parent. If a
@@ -387,7 +384,8 @@ func (e *Engine) recordImages(ctx context.Context, d string) {
 // parent link points to dir or into it.
 func (e *Engine) linkedTo(dir string) []string {
 	var out []string
-	for _, c := range e.allImageDirs() {
+	for _, r := range e.imageDirs(true) {
+		c := e.imagesPath(r)
 		if p, err := incremental.Parent(c); err == nil && (p == dir || strings.HasPrefix(p, dir+string(filepath.Separator))) {
 			out = append(out, c)
 		}
@@ -395,22 +393,34 @@ func (e *Engine) linkedTo(dir string) []string {
 	return out
 }
 
-// allImageDirs lists every image directory of the data directory: <root>/<id> and
-// <root>/<id>/procs/<pid>, for both roots.
-func (e *Engine) allImageDirs() []string {
+// imageEntries lists the names in the image root root (imageRoots): checkpoints' image
+// directories and staging ones, not the image pool's own files (dot files: its lock).
+func (e *Engine) imageEntries(root string) []string {
+	ents, _ := os.ReadDir(e.imagesPath(root))
+	var out []string
+	for _, d := range ents {
+		if !strings.HasPrefix(d.Name(), ".") {
+			out = append(out, d.Name())
+		}
+	}
+	return out
+}
+
+// imageDirs lists, relative to the data directory, every image directory of both roots:
+// <root>/<id> and <root>/<id>/procs/<pid>, a checkpoint's staging ones only if staging.
+func (e *Engine) imageDirs(staging bool) []string {
 	var out []string
 	for _, root := range imageRoots {
-		ents, _ := os.ReadDir(e.imagesPath(root))
-		for _, d := range ents {
-			if strings.HasPrefix(d.Name(), ".") {
-				continue // the image pool's own lock
+		for _, name := range e.imageEntries(root) {
+			if !staging && strings.HasPrefix(name, stagingDir+"-") {
+				continue
 			}
-			c := e.imagesPath(filepath.Join(root, d.Name()))
-			out = append(out, c)
-			procs, _ := os.ReadDir(filepath.Join(c, procsDir))
+			rel := filepath.Join(root, name)
+			out = append(out, rel)
+			procs, _ := os.ReadDir(filepath.Join(e.imagesPath(rel), procsDir))
 			for _, p := range procs {
 				if p.IsDir() {
-					out = append(out, filepath.Join(c, procsDir, p.Name()))
+					out = append(out, filepath.Join(rel, procsDir, p.Name()))
 				}
 			}
 		}
@@ -474,38 +484,17 @@ func (e *Engine) recoverImages(ctx context.Context) {
 }
 
 // imageLeftovers lists, as data-directory-relative paths, the files interrupted
-// rewrites left in checkpoints' image directories (what recoverImages sweeps).
+// rewrites left in checkpoints' image directories (what recoverImages sweeps; a
+// checkpoint's own staging is sweep's).
 func (e *Engine) imageLeftovers() []string {
 	var out []string
-	for _, root := range imageRoots {
-		out = append(out, e.imageLeftoversIn(root)...)
-	}
-	return out
-}
-
-func (e *Engine) imageLeftoversIn(root string) []string {
-	var out []string
-	ents, _ := os.ReadDir(e.imagesPath(root))
-	for _, d := range ents {
-		if strings.HasPrefix(d.Name(), stagingDir+"-") || strings.HasPrefix(d.Name(), ".") {
-			continue // a checkpoint's own staging, which sweep lists; the pool's lock
+	for _, r := range e.imageDirs(false) {
+		l, err := incremental.Leftovers(e.imagesPath(r))
+		if err != nil {
+			out = append(out, r+": "+err.Error())
 		}
-		rel := filepath.Join(root, d.Name())
-		rels := []string{rel}
-		procs, _ := os.ReadDir(filepath.Join(e.imagesPath(rel), procsDir))
-		for _, p := range procs {
-			if p.IsDir() {
-				rels = append(rels, filepath.Join(rel, procsDir, p.Name()))
-			}
-		}
-		for _, r := range rels {
-			l, err := incremental.Leftovers(e.imagesPath(r))
-			if err != nil {
-				out = append(out, r+": "+err.Error())
-			}
-			for _, f := range l {
-				out = append(out, filepath.Join(r, f))
-			}
+		for _, f := range l {
+			out = append(out, filepath.Join(r, f))
 		}
 	}
 	return out

@@ -129,13 +129,9 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 		}
 	}
 	for _, root := range imageRoots {
-		entries, _ = os.ReadDir(e.imagesPath(root))
-		for _, d := range entries {
-			if strings.HasPrefix(d.Name(), ".") {
-				continue // the image pool's own lock
-			}
-			name := filepath.Join(root, d.Name())
-			if rest, ok := strings.CutPrefix(d.Name(), stagingDir+"-"); ok {
+		for _, id := range e.imageEntries(root) {
+			name := filepath.Join(root, id)
+			if rest, ok := strings.CutPrefix(id, stagingDir+"-"); ok {
 				if unlock, ok := e.tryLock(owner(rest)); ok {
 					if !dryRun {
 						e.dropZygotes(e.imagesPath(name))
@@ -144,9 +140,9 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 					removed = append(removed, name)
 					unlock()
 				}
-			} else if !known[d.Name()] && !e.checkpointInFlight(ids) {
+			} else if !known[id] && !e.checkpointInFlight(ids) {
 				if !dryRun {
-					e.removeCheckpointFiles(ctx, d.Name())
+					e.removeCheckpointFiles(ctx, id)
 				}
 				removed = append(removed, name)
 			}

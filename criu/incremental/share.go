@@ -49,8 +49,8 @@ type ShareResult struct {
 // ShareResult: a second Share returns that at once.
 const SharedMarker = "shared.json"
 
-// OwnBytes is what the directory's pages hold on disk alone, before compression.
-func (r ShareResult) OwnBytes() int64 { return r.OwnPages * pageSize }
+// SharedBytes is what the directory's pages share with the parent's.
+func (r ShareResult) SharedBytes() int64 { return r.SharedPages * pageSize }
 
 // Share rebuilds the pages files of the full images directory dir so that each page
 // equal to parent's logical page (same task, same address; parent full or incremental)
@@ -184,12 +184,18 @@ func rebuildPages(m, p *taskMap, f *os.File) (shared, own int64, err error) {
 				if err := readAt(s.file, b, s.off); err != nil {
 					return shared, own, err
 				}
-				// Runs of equal pages are cloned, runs of different ones written.
+				// Runs of equal pages are cloned, runs of different ones written; each
+				// page is compared once.
+				same := func(j uint64) bool {
+					return bytes.Equal(b[j*pageSize:(j+1)*pageSize], buf[(i+j)*pageSize:(i+j+1)*pageSize])
+				}
+				eq := same(0)
 				for j := uint64(0); j < k; {
-					eq := bytes.Equal(b[j*pageSize:(j+1)*pageSize], buf[(i+j)*pageSize:(i+j+1)*pageSize])
-					l := j + 1
-					for l < k && bytes.Equal(b[l*pageSize:(l+1)*pageSize], buf[(i+l)*pageSize:(i+l+1)*pageSize]) == eq {
-						l++
+					l, next := j+1, eq
+					for ; l < k; l++ {
+						if next = same(l); next != eq {
+							break
+						}
 					}
 					dst := off + int64((i+j)*pageSize)
 					if eq {
@@ -203,7 +209,7 @@ func rebuildPages(m, p *taskMap, f *os.File) (shared, own int64, err error) {
 						}
 						own += int64(l - j)
 					}
-					j = l
+					j, eq = l, next
 				}
 				i += k
 			}
