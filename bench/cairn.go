@@ -41,6 +41,19 @@ func poolUsed(root string) (int64, error) {
 	return int64(st.Blocks-st.Bfree) * st.Bsize, nil
 }
 
+// growth runs f and returns how many bytes the filesystem at root gained meanwhile.
+func growth(root string, f func() error) (float64, error) {
+	before, err := poolUsed(root)
+	if err != nil {
+		return 0, err
+	}
+	if err := f(); err != nil {
+		return 0, err
+	}
+	after, err := poolUsed(root)
+	return float64(after - before), err
+}
+
 // traced runs op with a phase recorder (internal/phase) and appends the time of each
 // phase it reported to into, if into is not nil.
 func traced(ctx context.Context, into map[string][]float64, op func(context.Context) error) error {
@@ -96,19 +109,15 @@ func (w *w1) checkpoint(ctx context.Context) (*model.Checkpoint, time.Duration, 
 // the checkpoint's snapshot.
 func (b *runner) measureSteps(ctx context.Context, n int) error {
 	root := b.e.PoolPath("")
-	before, err := poolUsed(root)
+	var base *model.Checkpoint
+	grew, err := growth(root, func() (err error) {
+		base, _, err = b.w.checkpoint(ctx)
+		return err
+	})
 	if err != nil {
 		return err
 	}
-	base, _, err := b.w.checkpoint(ctx)
-	if err != nil {
-		return err
-	}
-	after, err := poolUsed(root)
-	if err != nil {
-		return err
-	}
-	b.baseCk, b.baseFS = base.ID, float64(after-before)
+	b.baseCk, b.baseFS = base.ID, grew
 	// The base's images, written in the background, are not the steps': the image
 	// pool's usage is taken once they are (untimed).
 	if img := b.e.ImagePoolPath(); img != "" {
@@ -119,26 +128,23 @@ func (b *runner) measureSteps(ctx context.Context, n int) error {
 	}
 	var dumped []float64
 	for i := 0; i < n; i++ {
-		before, err := poolUsed(root)
-		if err != nil {
+		var ck *model.Checkpoint
+		var d time.Duration
+		grew, err := growth(root, func() (err error) {
+			if err := b.w.step(ctx); err != nil {
+				return err
+			}
+			ck, d, err = b.w.checkpoint(ctx)
 			return err
-		}
-		if err := b.w.step(ctx); err != nil {
-			return err
-		}
-		ck, d, err := b.w.checkpoint(ctx)
-		if err != nil {
-			return err
-		}
-		after, err := poolUsed(root)
+		})
 		if err != nil {
 			return err
 		}
 		b.ckMS = append(b.ckMS, ms(d))
-		// The filesystem half shares extents in the pool; the images are files in the
-		// data directory, outside it.
+		// The filesystem half shares extents in the pool; the images are files outside
+		// it (the data directory's, or the image pool's).
 		b.stepCks = append(b.stepCks, ck.ID)
-		b.stepFS = append(b.stepFS, float64(after-before))
+		b.stepFS = append(b.stepFS, grew)
 		dumped = append(dumped, float64(ck.ImageBytes))
 	}
 	b.rep.DumpedImageBytesPerCheckpoint = summarize(dumped)
