@@ -85,6 +85,9 @@ func testResidentPaths(t *testing.T, h Harness) {
 	waitRunning(t, h, id, "sleep")
 	wantDumped(t, h, checkpoint(t, h, id, "tree"), "not a child of init")
 	h.Engine.Signal(ctx, id, tree, 9)
+	// Until it has exited, a checkpoint may see it end while it stops the processes,
+	// and dump them instead.
+	waitExited(t, h, id, tree)
 
 	// Durable on request: the checkpoint returns with its images written.
 	ck, err := h.Engine.Checkpoint(ctx, id, engine.CheckpointOptions{Label: "durable", Durable: true})
@@ -92,8 +95,20 @@ func testResidentPaths(t *testing.T, h Harness) {
 		t.Fatal(err)
 	}
 	if ck.Method != "zygote-criu" {
-		t.Fatalf("durable checkpoint: method %q, want zygote-criu", ck.Method)
+		got, _ := h.Engine.GetCheckpoint(ctx, ck.ID)
+		t.Fatalf("durable checkpoint: method %q, want zygote-criu (%+v)", ck.Method, got)
 	}
+}
+
+// waitExited waits until the process p of the sandbox has exited.
+func waitExited(t *testing.T, h Harness, id, p string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if pr, err := h.Engine.Process(context.Background(), id, p); err == nil && !pr.Running {
+			return
+		}
+	}
+	t.Fatalf("process %s of sandbox %s did not exit", p, id)
 }
 
 // waitRunning waits until a process whose command contains name runs in the sandbox.
