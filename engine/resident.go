@@ -323,11 +323,12 @@ func (e *Engine) deleteLost(ctx context.Context, id string) {
 	}
 }
 
-// evictResidents ends the zygotes of sandbox id's oldest resident checkpoints beyond
-// Config.Residents that are already durable. The durable worker calls it after each
-// copy, so it never dumps anything itself: a checkpoint whose copy is pending stays
-// resident beyond the cap until its copy is written (a burst of checkpoints holds more
-// for a moment instead of paying CRIU dumps on its critical path).
+// evictResidents ends the zygotes of sandbox id's resident checkpoints beyond
+// Config.Residents that are already durable, least likely to be rolled back to first
+// (evictionOrder). The durable worker calls it after each copy, so it never dumps
+// anything itself: a checkpoint whose copy is pending stays resident beyond the cap
+// until its copy is written (a burst of checkpoints holds more for a moment instead of
+// paying CRIU dumps on its critical path).
 func (e *Engine) evictResidents(ctx context.Context, id string) {
 	sb, err := e.db.Sandbox(ctx, id)
 	if err != nil {
@@ -345,7 +346,11 @@ func (e *Engine) evictResidents(ctx context.Context, id string) {
 	if err != nil || len(res) <= e.cfg.Residents {
 		return
 	}
-	for _, ck := range res[:len(res)-e.cfg.Residents] {
+	all, err := e.db.CheckpointsOf(ctx, sb.ID)
+	if err != nil {
+		return
+	}
+	for _, ck := range evictionOrder(res, all, sb.Head)[:len(res)-e.cfg.Residents] {
 		if ck.Method != methodZygoteImages {
 			continue // its copy is pending: the worker evicts it after writing it
 		}
@@ -355,6 +360,39 @@ func (e *Engine) evictResidents(ctx context.Context, id string) {
 		}
 		e.count(func(st *Stats) { st.ResidentsEvicted++ })
 	}
+}
+
+// evictionOrder returns the resident checkpoints res (oldest first) in the order to
+// evict them: first those off the lineage of head (its ancestors and itself, through
+// all, the sandbox's checkpoints), oldest first, then those on it, farthest from head
+// first. An agent backtracks along the path it is on (a retry, a tree search's return
+// to a node of its branch) more than it jumps to a branch it left; evicting by age
+// alone dropped, in W1 (rollbacks to one of the head's 20 nearest ancestors, 41
+// checkpoints, 32 resident), ancestors still in use while abandoned branches stayed,
+// and 2-3 rollbacks in 20 restored images (~200 ms) instead of forking (~20 ms).
+func evictionOrder(res, all []*model.Checkpoint, head string) []*model.Checkpoint {
+	parent := make(map[string]string, len(all))
+	for _, ck := range all {
+		parent[ck.ID] = ck.Parent
+	}
+	depth := map[string]int{} // distance from head along the lineage
+	for c, d := head, 0; c != "" && d <= len(all); c, d = parent[c], d+1 {
+		if _, seen := depth[c]; seen {
+			break
+		}
+		depth[c] = d
+	}
+	out := make([]*model.Checkpoint, 0, len(res))
+	var lineage []*model.Checkpoint
+	for _, ck := range res {
+		if _, on := depth[ck.ID]; on {
+			lineage = append(lineage, ck)
+		} else {
+			out = append(out, ck)
+		}
+	}
+	slices.SortStableFunc(lineage, func(a, b *model.Checkpoint) int { return depth[b.ID] - depth[a.ID] })
+	return append(out, lineage...)
 }
 
 // rollbackResident rolls sb back to ck through ck's zygotes, if it has some for sb as

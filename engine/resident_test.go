@@ -171,6 +171,55 @@ func TestRollbackInPlace(t *testing.T) {
 	}
 }
 
+// TestEvictionKeepsLineage checks which zygotes go when a sandbox holds more resident
+// checkpoints than Config.Residents (2): with a (x=1) → b (x=2), a rollback to a and
+// a → c (x=3), b is off the lineage of the head c and goes, although a is older; a
+// rollback to a then forks its zygotes again.
+func TestEvictionKeepsLineage(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, 2 })
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	checkpoint := func(x int) *model.Checkpoint {
+		t.Helper()
+		r.ask(fmt.Sprintf("x = %d", x))
+		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ck
+	}
+	a := checkpoint(1)
+	b := checkpoint(2)
+	if err := e.Rollback(ctx, sb.ID, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	c := checkpoint(3)
+	e.Quiesce()
+	for _, want := range []struct {
+		ck       *model.Checkpoint
+		resident bool
+	}{{a, true}, {b, false}, {c, true}} {
+		got, err := e.GetCheckpoint(ctx, want.ck.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Resident != want.resident || got.Method != "zygote-criu" {
+			t.Fatalf("checkpoint %s (parent %s): resident %v, method %s; want resident %v after its durable copy (a %s, b %s, c %s)",
+				got.ID, got.Parent, got.Resident, got.Method, want.resident, a.ID, b.ID, c.ID)
+		}
+	}
+	before := e.Stats().ResidentRollbacks
+	if err := e.Rollback(ctx, sb.ID, a.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.ask("print(x)"); got != "1" {
+		t.Fatalf("after the rollback to a: x = %q, want 1", got)
+	}
+	if got := e.Stats().ResidentRollbacks - before; got != 1 {
+		t.Fatalf("rollback to a went through zygotes %d times, want 1", got)
+	}
+}
+
 // inPlaceCrashEnv marks the child process of TestRollbackInPlaceCrash.
 const inPlaceCrashEnv = "CAIRN_IN_PLACE_CRASH"
 
