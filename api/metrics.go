@@ -75,6 +75,7 @@ var (
 	poolDesc        = prometheus.NewDesc("cairn_pool_bytes", "Size and free space of the btrfs pool.", []string{"kind"}, nil)
 	standbysDesc    = prometheus.NewDesc("cairn_standbys", "Standbys held: checkpoints restored ahead of time, frozen, ready for a rollback or fork.", nil, nil)
 	standbyMemDesc  = prometheus.NewDesc("cairn_standby_memory_bytes", "Memory the standbys hold (bounded by the engine's standby budget).", nil, nil)
+	residentMemDesc = prometheus.NewDesc("cairn_resident_memory_bytes", "Memory the zygotes of resident checkpoints hold beyond their sandboxes' processes (bounded per sandbox by the engine's ResidentMemory).", nil, nil)
 )
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -84,6 +85,7 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- poolDesc
 	ch <- standbysDesc
 	ch <- standbyMemDesc
+	ch <- residentMemDesc
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
@@ -107,6 +109,9 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	if n, bytes, err := c.s.eng.StandbyMemory(ctx); err == nil {
 		ch <- prometheus.MustNewConstMetric(standbysDesc, prometheus.GaugeValue, float64(n))
 		ch <- prometheus.MustNewConstMetric(standbyMemDesc, prometheus.GaugeValue, float64(bytes))
+	}
+	if bytes, err := c.s.eng.ResidentMemory(ctx); err == nil {
+		ch <- prometheus.MustNewConstMetric(residentMemDesc, prometheus.GaugeValue, float64(bytes))
 	}
 	var st unix.Statfs_t
 	if unix.Statfs(c.s.poolDir, &st) == nil {

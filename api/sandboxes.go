@@ -71,7 +71,7 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) error {
 
 // sandboxView reads a sandbox and its session.
 func (s *Server) sandboxView(ctx context.Context, id string) (*client.Sandbox, error) {
-	sb, err := s.eng.Get(ctx, id)
+	sb, err := s.eng.Inspect(ctx, id)
 	if err != nil {
 		return nil, err
 	}

@@ -100,6 +100,11 @@ type Report struct {
 	// frozen restored copies and the memory they hold.
 	StandbysHeld       int   `json:"standbys_held"`
 	StandbyMemoryBytes int64 `json:"standby_memory_bytes"`
+	// ResidentMemoryBytes is the memory the W1 sandbox's zygotes hold beyond its
+	// processes' after the rollbacks (Sandbox.ResidentMemoryBytes), ResidentsHeld how
+	// many of its checkpoints are then resident.
+	ResidentMemoryBytes int64 `json:"resident_memory_bytes"`
+	ResidentsHeld       int   `json:"residents_held"`
 	// StepChangedBytes estimates what one step changes: the 3 edited files and git's
 	// index (each rewritten whole), the 1 MiB str added to the heap, the 10 rows.
 	StepChangedBytes int64 `json:"step_changed_bytes"`
@@ -280,6 +285,9 @@ func (b *runner) runW1(ctx context.Context) (err error) {
 	b.e.Quiesce()
 	b.rep.BackgroundMSPerCheckpoint = statsDelta(before, b.e.Stats()).BackgroundMS / float64(len(b.ckMS))
 	if err := b.finishStorage(ctx); err != nil {
+		return err
+	}
+	if err := b.residents(ctx); err != nil {
 		return err
 	}
 	for _, f := range []struct {

@@ -195,6 +195,30 @@ func (b *runner) finishStorage(ctx context.Context) error {
 	return nil
 }
 
+// residents records the W1 sandbox's resident checkpoints and the memory their zygotes
+// hold beyond its processes'.
+func (b *runner) residents(ctx context.Context) error {
+	sb, err := b.e.Inspect(ctx, b.w.id)
+	if err != nil {
+		return err
+	}
+	b.rep.ResidentMemoryBytes = sb.ResidentMemoryBytes
+	cks, err := b.e.Tree(ctx, b.w.id)
+	if err != nil {
+		return err
+	}
+	for _, c := range cks {
+		ck, err := b.e.GetCheckpoint(ctx, c.ID)
+		if err != nil {
+			return err
+		}
+		if ck.Resident {
+			b.rep.ResidentsHeld++
+		}
+	}
+	return nil
+}
+
 // stepChangedBytes estimates the bytes the last step changed: the 3 edited files
 // (rewritten whole by the append), git's index (rewritten whole by `git add`), the
 // 1 MiB str added to the heap and the payload of the 10 rows.

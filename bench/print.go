@@ -55,6 +55,8 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(w, "\nstandbys: %d prepared in the background (%.0f ms each on average), %d taken by rollbacks/forks, %d misses (restore path), %d evicted; prewarming 16: %.2f s\n",
 		st.StandbysPrepared, perPrepared(st), st.StandbysClaimed, st.StandbyMisses, st.StandbysEvicted, r.Prewarm16S)
 	fmt.Fprintf(w, "standbys held at the end: %d, %s of memory\n", r.StandbysHeld, mib(float64(r.StandbyMemoryBytes)))
+	fmt.Fprintf(w, "resident checkpoints after the rollbacks: %d, their zygotes holding %s beyond the processes' memory (%d evicted for the count cap or the memory bound, %d of them for memory)\n",
+		r.ResidentsHeld, mib(float64(r.ResidentMemoryBytes)), r.Standby.ResidentsEvicted, r.Standby.ResidentsEvictedForMemory)
 	fmt.Fprintf(w, "background work per checkpoint (off the critical path): %.1f ms\n", r.BackgroundMSPerCheckpoint)
 	if st.Compactions > 0 {
 		fmt.Fprintf(w, "images compacted against their parent's: %d, %.0f ms each on average\n", st.Compactions, st.CompactionMS/float64(st.Compactions))

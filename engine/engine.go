@@ -75,6 +75,12 @@ type Config struct {
 	// a CRIU dump). A soft cap: checkpoints whose durable copy is pending stay resident
 	// beyond it until the copy is written.
 	Residents int
+	// ResidentMemory bounds the memory a sandbox's zygotes hold beyond what its
+	// processes map (isolation.Resident.ResidentMemory), which counts against the
+	// sandbox's memory limit: beyond it, the durable resident checkpoints least likely
+	// to be rolled back to lose their zygotes first (0: a quarter of the sandbox's memory
+	// limit, or of DefaultResidentMemoryLimit without one; -1: no bound but Residents).
+	ResidentMemory int64
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)
 }

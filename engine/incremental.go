@@ -522,6 +522,9 @@ func (e *Engine) withDepth(ck *model.Checkpoint, err error) (*model.Checkpoint, 
 	case methodZygote, methodZygoteImages:
 		ck.Resident = e.isResident(ck)
 		ck.MethodReason = residentReason(ck)
+		if ck.Resident {
+			ck.ResidentMemoryBytes = e.checkpointMemory(ck)
+		}
 	}
 	if why, err := os.ReadFile(filepath.Join(e.imagesPath(ck.Images), whyFile)); err == nil {
 		ck.MethodReason += "; not kept resident: " + strings.TrimSpace(string(why))

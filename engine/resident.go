@@ -324,11 +324,12 @@ func (e *Engine) deleteLost(ctx context.Context, id string) {
 }
 
 // evictResidents ends the zygotes of sandbox id's resident checkpoints beyond
-// Config.Residents that are already durable, least likely to be rolled back to first
-// (evictionOrder). The durable worker calls it after each copy, so it never dumps
-// anything itself: a checkpoint whose copy is pending stays resident beyond the cap
-// until its copy is written (a burst of checkpoints holds more for a moment instead of
-// paying CRIU dumps on its critical path).
+// Config.Residents, then while they hold more memory than residentMemoryBound, least
+// likely to be rolled back to first (evictionOrder), and only those already durable.
+// The durable worker calls it after each copy, so it never dumps anything itself: a
+// checkpoint whose copy is pending stays resident beyond both bounds until its copy is
+// written (a burst of checkpoints holds more for a moment instead of paying CRIU dumps
+// on its critical path).
 func (e *Engine) evictResidents(ctx context.Context, id string) {
 	sb, err := e.db.Sandbox(ctx, id)
 	if err != nil {
@@ -343,23 +344,67 @@ func (e *Engine) evictResidents(ctx context.Context, id string) {
 		return
 	}
 	res, err := e.residentsOf(ctx, sb, r)
-	if err != nil || len(res) <= e.cfg.Residents {
+	if err != nil || len(res) == 0 {
 		return
 	}
 	all, err := e.db.CheckpointsOf(ctx, sb.ID)
 	if err != nil {
 		return
 	}
-	for _, ck := range evictionOrder(res, all, sb.Head)[:len(res)-e.cfg.Residents] {
+	drop := func(ck *model.Checkpoint, forMemory bool) bool {
 		if ck.Method != methodZygoteImages {
-			continue // its copy is pending: the worker evicts it after writing it
+			return false // its copy is pending: the worker evicts it after writing it
 		}
 		if err := r.DropResident(e.imagesPath(ck.Images)); err != nil {
 			e.cfg.Logf("evict zygotes of checkpoint %s: %v", ck.ID, err)
-			continue
+			return false
 		}
-		e.count(func(st *Stats) { st.ResidentsEvicted++ })
+		e.count(func(st *Stats) {
+			st.ResidentsEvicted++
+			if forMemory {
+				st.ResidentsEvictedForMemory++
+			}
+		})
+		return true
 	}
+	order := evictionOrder(res, all, sb.Head)
+	excess := len(order) - e.cfg.Residents
+	for _, ck := range order[:max(excess, 0)] {
+		drop(ck, false)
+	}
+	bound := e.residentMemoryBound(sb)
+	if bound < 0 {
+		return
+	}
+	isb := e.isb(sb)
+	for _, ck := range order[max(excess, 0):] {
+		held, err := r.ResidentMemory(isb)
+		if err != nil {
+			e.cfg.Logf("memory held by the zygotes of %s: %v", sb.ID, err)
+			return
+		}
+		if held <= bound {
+			return
+		}
+		drop(ck, true)
+	}
+}
+
+// DefaultResidentMemoryLimit is the memory limit residentMemoryBound assumes for a
+// sandbox created without one (the container backend's default limit).
+const DefaultResidentMemoryLimit = 2 << 30
+
+// residentMemoryBound is Config.ResidentMemory for sb: by default a quarter of its
+// memory limit; -1 for none.
+func (e *Engine) residentMemoryBound(sb *model.Sandbox) int64 {
+	if e.cfg.ResidentMemory != 0 {
+		return e.cfg.ResidentMemory
+	}
+	limit := sb.Limits.MemoryBytes
+	if limit <= 0 {
+		limit = DefaultResidentMemoryLimit
+	}
+	return limit / 4
 }
 
 // evictionOrder returns the resident checkpoints res (oldest first) in the order to
@@ -567,6 +612,57 @@ func (e *Engine) isResident(ck *model.Checkpoint) bool {
 	}
 	r, ok := e.residentOf(b)
 	return ok && r.IsResident(e.isb(sb), e.imagesPath(ck.Images))
+}
+
+// checkpointMemory is Checkpoint.ResidentMemoryBytes of a resident checkpoint (0 if
+// it cannot be read).
+func (e *Engine) checkpointMemory(ck *model.Checkpoint) int64 {
+	sb, err := e.db.Sandbox(context.Background(), ck.SandboxID)
+	if err != nil {
+		return 0
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return 0
+	}
+	r, ok := e.residentOf(b)
+	if !ok {
+		return 0
+	}
+	n, _ := r.CheckpointMemory(e.imagesPath(ck.Images))
+	return n
+}
+
+// residentMemory is Sandbox.ResidentMemoryBytes of a running sandbox (0 if it cannot
+// be read, or the backend keeps no zygotes).
+func (e *Engine) residentMemory(sb *model.Sandbox) int64 {
+	if sb.State != model.StateRunning {
+		return 0
+	}
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return 0
+	}
+	r, ok := e.residentOf(b)
+	if !ok {
+		return 0
+	}
+	n, _ := r.ResidentMemory(e.isb(sb))
+	return n
+}
+
+// ResidentMemory returns the memory the zygotes of every running sandbox hold beyond
+// their processes' (the sum of what Inspect reports as Sandbox.ResidentMemoryBytes).
+func (e *Engine) ResidentMemory(ctx context.Context) (int64, error) {
+	sbs, err := e.List(ctx)
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	for _, sb := range sbs {
+		n += e.residentMemory(sb)
+	}
+	return n, nil
 }
 
 // residentReason is MethodReason for a checkpoint taken with zygotes.

@@ -220,6 +220,68 @@ func TestEvictionKeepsLineage(t *testing.T) {
 	}
 }
 
+// TestResidentMemoryBound checks what the zygotes of a REPL rewriting a 32 MiB buffer
+// between checkpoints hold, and that Config.ResidentMemory (80 MiB) bounds it: once
+// the buffer is rewritten, each checkpoint's zygote alone keeps its version (~32 MiB:
+// reported by GetCheckpoint, and summed by Inspect), so of three checkpoints the oldest
+// loses its zygotes after its durable copy (three would hold ~96 MiB). Rollbacks to
+// each then find its state (the first's restored from its images).
+func TestResidentMemoryBound(t *testing.T) {
+	const mib = 1 << 20
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.ResidentMemory = -1, 80*mib })
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	r.ask("b = bytearray(32 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1")
+	var cks []*model.Checkpoint
+	for k := 1; k <= 3; k++ {
+		// Every page of the buffer written anew: the last checkpoint's zygote keeps the old.
+		r.ask(fmt.Sprintf("step = %d\nfor i in range(0, len(b), 4096): b[i] = %d", k, k+1))
+		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cks = append(cks, ck)
+		r.ask("for i in range(0, len(b), 4096): b[i] = 100")
+		e.Quiesce()
+	}
+	got := func(ck *model.Checkpoint) *model.Checkpoint {
+		t.Helper()
+		c, err := e.GetCheckpoint(ctx, ck.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	if c := got(cks[0]); c.Resident {
+		t.Fatalf("first checkpoint still resident, its zygotes holding %d MiB; want evicted to keep within 80 MiB", c.ResidentMemoryBytes/mib)
+	}
+	for _, ck := range cks[1:] {
+		c := got(ck)
+		if !c.Resident || c.ResidentMemoryBytes < 30*mib || c.ResidentMemoryBytes > 40*mib {
+			t.Fatalf("checkpoint %s: resident %v, its zygotes alone holding %.1f MiB; want resident, ~32 MiB (the buffer's pages written since)",
+				c.ID, c.Resident, float64(c.ResidentMemoryBytes)/mib)
+		}
+	}
+	s, err := e.Inspect(ctx, sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.ResidentMemoryBytes < 60*mib || s.ResidentMemoryBytes > 72*mib {
+		t.Fatalf("the sandbox's zygotes hold %.1f MiB; want ~64 MiB (two checkpoints' old buffers)", float64(s.ResidentMemoryBytes)/mib)
+	}
+	if st := e.Stats(); st.ResidentsEvictedForMemory != 1 {
+		t.Fatalf("%d resident checkpoints evicted for memory, want 1", st.ResidentsEvictedForMemory)
+	}
+	for k, ck := range cks {
+		if err := e.Rollback(ctx, sb.ID, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		if got := r.ask("print(step, b[0], b[len(b) - 4096])"); got != fmt.Sprintf("%d %d %d", k+1, k+2, k+2) {
+			t.Fatalf("after the rollback to checkpoint %d: %q", k+1, got)
+		}
+	}
+}
+
 // inPlaceCrashEnv marks the child process of TestRollbackInPlaceCrash.
 const inPlaceCrashEnv = "CAIRN_IN_PLACE_CRASH"
 

@@ -114,6 +114,17 @@ func (e *Engine) Get(ctx context.Context, id string) (*model.Sandbox, error) {
 	return sb, nil
 }
 
+// Inspect is Get with the figures that cost a look at the sandbox's processes:
+// ResidentMemoryBytes.
+func (e *Engine) Inspect(ctx context.Context, id string) (*model.Sandbox, error) {
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	sb.ResidentMemoryBytes = e.residentMemory(sb)
+	return sb, nil
+}
+
 // List returns every sandbox.
 func (e *Engine) List(ctx context.Context) ([]*model.Sandbox, error) {
 	l, err := e.db.Sandboxes(ctx)

@@ -61,12 +61,15 @@ type Stats struct {
 	// those that restored images into the sandbox's running init; DurableCopies
 	// the durable copies written of resident checkpoints and DurableMS their time (also
 	// in BackgroundMS); ResidentsEvicted the resident checkpoints whose zygotes were
-	// ended to keep within Config.Residents.
+	// ended to keep within Config.Residents, ResidentsEvictedForMemory those of them
+	// ended to keep within Config.ResidentMemory.
 	ResidentRollbacks int     `json:"resident_rollbacks"`
 	InPlaceRestores   int     `json:"in_place_restores"`
 	DurableCopies     int     `json:"durable_copies"`
 	DurableMS         float64 `json:"durable_ms"`
 	ResidentsEvicted  int     `json:"residents_evicted"`
+	// ResidentsEvictedForMemory: see ResidentsEvicted.
+	ResidentsEvictedForMemory int `json:"residents_evicted_for_memory"`
 	// Reverts counts the roots brought back in place by rollbacks (storage.Reverter),
 	// RevertOps the filesystem operations they applied, and the RevertMS fields the
 	// time of their phases: the snapshot of the live root, computing the difference,
@@ -88,7 +91,8 @@ func (s Stats) Since(before Stats) Stats {
 		ResidentRollbacks: s.ResidentRollbacks - before.ResidentRollbacks, InPlaceRestores: s.InPlaceRestores - before.InPlaceRestores,
 		DurableCopies: s.DurableCopies - before.DurableCopies,
 		DurableMS:     s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted,
-		Reverts: s.Reverts - before.Reverts, RevertOps: s.RevertOps - before.RevertOps,
+		ResidentsEvictedForMemory: s.ResidentsEvictedForMemory - before.ResidentsEvictedForMemory,
+		Reverts:                   s.Reverts - before.Reverts, RevertOps: s.RevertOps - before.RevertOps,
 		RevertSnapshotMS: s.RevertSnapshotMS - before.RevertSnapshotMS, RevertSendMS: s.RevertSendMS - before.RevertSendMS,
 		RevertApplyMS: s.RevertApplyMS - before.RevertApplyMS}
 }

@@ -106,6 +106,13 @@ type Resident interface {
 	IsResident(sb *Sandbox, dir string) bool
 	// DropResident kills dir's zygotes (if any).
 	DropResident(dir string) error
+	// ResidentMemory is the memory the zygotes of sb hold and its processes do not (the
+	// old versions of the pages they wrote since): what ending every zygote of sb would
+	// free, each page counted once. It counts against sb's memory limit.
+	ResidentMemory(sb *Sandbox) (int64, error)
+	// CheckpointMemory is the memory only dir's zygotes map, which DropResident(dir)
+	// frees (0 without zygotes).
+	CheckpointMemory(dir string) (int64, error)
 }
 
 // ErrNotResident says that a sandbox cannot be kept, or is not kept, as zygotes.

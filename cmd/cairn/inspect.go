@@ -118,6 +118,7 @@ func describeSandbox(w io.Writer, sb *client.Sandbox, ps []*model.Process) error
 		"Root", sb.Root,
 		"Init pid", fmt.Sprint(sb.Init.Pid),
 		"Processes", fmt.Sprintf("%d (%d running; list them with `cairn ps %s`)", len(ps), running, sb.ID),
+		"Resident memory", humanSize(sb.ResidentMemoryBytes)+" held by the zygotes of its resident checkpoints beyond its processes' memory (counts against its memory limit)",
 		"Session", orDash(sb.SessionID),
 		"Run", orDash(sb.RunID),
 		"Expires", expiry(sb),
@@ -134,6 +135,7 @@ func describeCheckpoint(w io.Writer, ck *model.Checkpoint) error {
 		"Image size", humanSize(ck.ImageBytes),
 		"Duration", fmt.Sprintf("%.1f ms", ck.DurationMS),
 		"Method", method(ck),
+		"Resident", resident(ck),
 		"FS volume", ck.FSVolume,
 		"Images", ck.Images,
 	)
@@ -149,6 +151,15 @@ func method(ck *model.Checkpoint) string {
 		return fmt.Sprintf("%s (pages shared with parent %s; chain depth %d)", ck.Method, ck.Parent, ck.ImagesDepth)
 	}
 	return ck.Method
+}
+
+// resident says whether a checkpoint's processes are held by zygotes, and the memory
+// only they hold.
+func resident(ck *model.Checkpoint) string {
+	if !ck.Resident {
+		return "no"
+	}
+	return "yes: its zygotes alone hold " + humanSize(ck.ResidentMemoryBytes) + " (freed if they are evicted)"
 }
 
 // expiry renders a sandbox's TTL ("-" without a daemon).

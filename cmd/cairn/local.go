@@ -46,7 +46,7 @@ func (l local) Create(ctx context.Context, req client.CreateRequest) (*client.Sa
 }
 
 func (l local) Get(ctx context.Context, id string) (*client.Sandbox, error) {
-	sb, err := l.e.Get(ctx, id)
+	sb, err := l.e.Inspect(ctx, id)
 	if err != nil {
 		return nil, err
 	}

@@ -42,6 +42,8 @@ func main() {
 	flag.DurationVar(&cfg.API.IdleTimeout, "idle-timeout", 30*time.Minute, "pause a sandbox after this long without API activity (0: never)")
 	flag.DurationVar(&cfg.API.Tick, "session-tick", time.Second, "advanced: how often TTLs and idle timers are checked")
 	flag.IntVar(&cfg.Engine.StandbyRestores, "standby-restores", 1, "standby restores run at once in the background: more keep more standbys ready for rollbacks and forks, at some cost to checkpoint latency")
+	flag.IntVar(&cfg.Engine.Residents, "residents", engine.DefaultResidents, "checkpoints of each sandbox kept resident (their processes held as frozen copy-on-write copies, so that a rollback forks them instead of restoring images) once written to disk; -1: none")
+	flag.Int64Var(&cfg.Engine.ResidentMemory, "resident-memory", 0, "bytes of memory the resident checkpoints of one sandbox may hold beyond its processes' (it counts against the sandbox's memory limit); beyond it the least likely rollback targets are evicted to their images. 0: a quarter of the sandbox's memory limit; -1: no bound but --residents")
 	flag.StringVar(&cfg.OnShutdown, "on-shutdown", "keep", "what happens to running sandboxes at shutdown: keep or pause")
 	flag.BoolVar(&logJSON, "log-json", false, "log JSON lines instead of text")
 	flag.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")

@@ -33,6 +33,11 @@ type Sandbox struct {
 	// Root is the pool volume the sandbox runs on.
 	Root string         `json:"root"`
 	Init isolation.Proc `json:"init"`
+	// ResidentMemoryBytes is the memory the zygotes of the sandbox's resident
+	// checkpoints hold beyond what its processes map: the old versions of the pages
+	// written since, which count against its memory limit (filled by Inspect; bounded
+	// by the engine's ResidentMemory).
+	ResidentMemoryBytes int64 `json:"resident_memory_bytes,omitempty"`
 }
 
 // Checkpoint is a joint (filesystem, process tree) checkpoint.
@@ -66,6 +71,9 @@ type Checkpoint struct {
 	// "zygote" or "zygote-criu"): a rollback of its sandbox forks them again, without a
 	// restore (filled when one checkpoint is read).
 	Resident bool `json:"resident,omitempty"`
+	// ResidentMemoryBytes is the memory only this checkpoint's zygotes map, which ending
+	// them would free (filled when one checkpoint is read, if resident).
+	ResidentMemoryBytes int64 `json:"resident_memory_bytes,omitempty"`
 	// Isolation is the backend the checkpoint was taken with (its copies run on it).
 	Isolation string `json:"isolation,omitempty"`
 	// PhasesMS is where the critical path's time went, in milliseconds.

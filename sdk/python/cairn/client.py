@@ -341,7 +341,9 @@ class Sandbox:
     ``state`` ("running", "stopped", "paused"), ``hostname``, ``head`` (the checkpoint the
     current state descends from), ``origin`` (the checkpoint a fork started from),
     ``labels``, ``limits``, ``created_at``, ``session_id``, ``run_id``, ``expires_at``,
-    ``expiry_policy``, ``idle_timeout_seconds``, ``last_activity_at``, ``paused_reason``;
+    ``expiry_policy``, ``idle_timeout_seconds``, ``last_activity_at``, ``paused_reason``,
+    ``resident_memory_bytes`` (memory its resident checkpoints' frozen copies hold beyond
+    its processes', counted against its memory limit; filled by ``refresh``);
     ``raw`` is the JSON object. Methods that return the sandbox update them in place.
 
     Use it as a context manager to destroy it at the end::
@@ -377,6 +379,7 @@ class Sandbox:
         self.idle_timeout_seconds: int = int(d.get("idle_timeout_seconds") or 0)
         self.last_activity_at: Optional[_dt.datetime] = parse_time(d.get("last_activity_at"))
         self.paused_reason: str = d.get("paused_reason") or ""
+        self.resident_memory_bytes: int = int(d.get("resident_memory_bytes") or 0)
         return self
 
     def _path(self, *rest: str) -> str:
@@ -921,7 +924,10 @@ class Checkpoint:
 
     Attributes: ``id``, ``sandbox_id``, ``parent`` (the previous checkpoint of the
     lineage), ``label``, ``created_at``, ``image_bytes`` (the process images' size),
-    ``duration_ms``, ``method``, ``phases_ms``, ``fs_volume``, ``images``; ``raw``.
+    ``duration_ms``, ``method``, ``phases_ms``, ``fs_volume``, ``images``; ``resident``
+    (its processes are held as frozen copies, so a rollback of its sandbox forks them) and
+    ``resident_memory_bytes`` (the memory only those copies hold), both filled by
+    ``refresh``; ``raw``.
     """
 
     def __init__(self, client: Client, data: Dict[str, Any]):
@@ -941,6 +947,8 @@ class Checkpoint:
         self.duration_ms: float = float(d.get("duration_ms") or 0)
         self.method: str = d.get("method", "")
         self.phases_ms: Dict[str, float] = dict(d.get("phases_ms") or {})
+        self.resident: bool = bool(d.get("resident"))
+        self.resident_memory_bytes: int = int(d.get("resident_memory_bytes") or 0)
         return self
 
     def __repr__(self) -> str:
