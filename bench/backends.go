@@ -65,7 +65,9 @@ func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, 
 		b.rep.Machine.MemoryWarmup = warmup
 		b.rep.StandbyRestores = opts.StandbyRestores
 		b.phase("isolation %s", iso)
+		steal0, total0 := cpuTimes()
 		err := b.runWorkloads(ctx)
+		b.rep.Machine.StealPercent = stealSince(steal0, total0)
 		b.rep.CheckpointMS = summarize(b.ckMS)
 		b.rep.RollbackMS = summarize(b.rbMS)
 		b.rep.DurationS = time.Since(b.rep.StartedAt).Seconds()

@@ -26,6 +26,10 @@ func (r *Report) Print(w io.Writer) {
 			fmt.Fprint(w, " (slow: restores fault their memory in 4 KiB at a time; scripts/install-deps.sh sets THP to always)")
 		}
 	}
+	fmt.Fprintf(w, "\nCPU time taken by the hypervisor for other guests during the run (steal): %.1f%%", m.StealPercent)
+	if m.StealPercent > 5 {
+		fmt.Fprint(w, " (a shared host under load: every time below is stretched; compare ratios, or rerun)")
+	}
 	if mw := m.MemoryWarmup; mw != nil {
 		fmt.Fprintf(w, "\nfree memory's first write %.2f GiB/s", mw.FirstTouchGiBps)
 		if mw.Skipped != "" {
