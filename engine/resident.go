@@ -335,11 +335,7 @@ func (e *Engine) evictResidents(ctx context.Context, id string) {
 	if err != nil {
 		return
 	}
-	b, err := e.backend(sb.Isolation)
-	if err != nil {
-		return
-	}
-	r, ok := e.residentOf(b)
+	r, ok := e.residentFor(sb)
 	if !ok {
 		return
 	}
@@ -606,11 +602,7 @@ func (e *Engine) isResident(ck *model.Checkpoint) bool {
 	if err != nil || sb.State != model.StateRunning {
 		return false
 	}
-	b, err := e.backend(sb.Isolation)
-	if err != nil {
-		return false
-	}
-	r, ok := e.residentOf(b)
+	r, ok := e.residentFor(sb)
 	return ok && r.IsResident(e.isb(sb), e.imagesPath(ck.Images))
 }
 
@@ -621,16 +613,21 @@ func (e *Engine) checkpointMemory(ck *model.Checkpoint) int64 {
 	if err != nil {
 		return 0
 	}
-	b, err := e.backend(sb.Isolation)
-	if err != nil {
-		return 0
-	}
-	r, ok := e.residentOf(b)
+	r, ok := e.residentFor(sb)
 	if !ok {
 		return 0
 	}
 	n, _ := r.CheckpointMemory(e.imagesPath(ck.Images))
 	return n
+}
+
+// residentFor returns the resident ability of sb's backend, if enabled and present.
+func (e *Engine) residentFor(sb *model.Sandbox) (isolation.Resident, bool) {
+	b, err := e.backend(sb.Isolation)
+	if err != nil {
+		return nil, false
+	}
+	return e.residentOf(b)
 }
 
 // residentMemory is Sandbox.ResidentMemoryBytes of a running sandbox (0 if it cannot
@@ -639,11 +636,7 @@ func (e *Engine) residentMemory(sb *model.Sandbox) int64 {
 	if sb.State != model.StateRunning {
 		return 0
 	}
-	b, err := e.backend(sb.Isolation)
-	if err != nil {
-		return 0
-	}
-	r, ok := e.residentOf(b)
+	r, ok := e.residentFor(sb)
 	if !ok {
 		return 0
 	}
