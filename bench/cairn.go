@@ -202,20 +202,7 @@ func (b *runner) residents(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	b.rep.ResidentMemoryBytes = sb.ResidentMemoryBytes
-	cks, err := b.e.Tree(ctx, b.w.id)
-	if err != nil {
-		return err
-	}
-	for _, c := range cks {
-		ck, err := b.e.GetCheckpoint(ctx, c.ID)
-		if err != nil {
-			return err
-		}
-		if ck.Resident {
-			b.rep.ResidentsHeld++
-		}
-	}
+	b.rep.ResidentMemoryBytes, b.rep.ResidentsHeld = sb.ResidentMemoryBytes, sb.ResidentCheckpoints
 	return nil
 }
 

@@ -630,18 +630,19 @@ func (e *Engine) residentFor(sb *model.Sandbox) (isolation.Resident, bool) {
 	return e.residentOf(b)
 }
 
-// residentMemory is Sandbox.ResidentMemoryBytes of a running sandbox (0 if it cannot
-// be read, or the backend keeps no zygotes).
-func (e *Engine) residentMemory(sb *model.Sandbox) int64 {
+// residentMemory returns Sandbox.ResidentMemoryBytes and ResidentCheckpoints of a
+// running sandbox (0 for what cannot be read, or if the backend keeps no zygotes).
+func (e *Engine) residentMemory(ctx context.Context, sb *model.Sandbox) (int64, int) {
 	if sb.State != model.StateRunning {
-		return 0
+		return 0, 0
 	}
 	r, ok := e.residentFor(sb)
 	if !ok {
-		return 0
+		return 0, 0
 	}
 	n, _ := r.ResidentMemory(e.isb(sb))
-	return n
+	res, _ := e.residentsOf(ctx, sb, r)
+	return n, len(res)
 }
 
 // ResidentMemory returns the memory the zygotes of every running sandbox hold beyond
@@ -653,7 +654,8 @@ func (e *Engine) ResidentMemory(ctx context.Context) (int64, error) {
 	}
 	var n int64
 	for _, sb := range sbs {
-		n += e.residentMemory(sb)
+		held, _ := e.residentMemory(ctx, sb)
+		n += held
 	}
 	return n, nil
 }

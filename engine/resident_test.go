@@ -266,8 +266,9 @@ func TestResidentMemoryBound(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.ResidentMemoryBytes < 60*mib || s.ResidentMemoryBytes > 72*mib {
-		t.Fatalf("the sandbox's zygotes hold %.1f MiB; want ~64 MiB (two checkpoints' old buffers)", float64(s.ResidentMemoryBytes)/mib)
+	if s.ResidentMemoryBytes < 60*mib || s.ResidentMemoryBytes > 72*mib || s.ResidentCheckpoints != 2 {
+		t.Fatalf("the sandbox's %d resident checkpoints hold %.1f MiB; want 2, ~64 MiB (two checkpoints' old buffers)",
+			s.ResidentCheckpoints, float64(s.ResidentMemoryBytes)/mib)
 	}
 	if st := e.Stats(); st.ResidentsEvictedForMemory != 1 {
 		t.Fatalf("%d resident checkpoints evicted for memory, want 1", st.ResidentsEvictedForMemory)

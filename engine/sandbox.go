@@ -114,14 +114,14 @@ func (e *Engine) Get(ctx context.Context, id string) (*model.Sandbox, error) {
 	return sb, nil
 }
 
-// Inspect is Get with the figures that cost a look at the sandbox's processes:
-// ResidentMemoryBytes.
+// Inspect is Get with the figures that cost a look at the sandbox's processes and
+// checkpoints: ResidentMemoryBytes and ResidentCheckpoints.
 func (e *Engine) Inspect(ctx context.Context, id string) (*model.Sandbox, error) {
 	sb, err := e.Get(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	sb.ResidentMemoryBytes = e.residentMemory(sb)
+	sb.ResidentMemoryBytes, sb.ResidentCheckpoints = e.residentMemory(ctx, sb)
 	return sb, nil
 }
 

@@ -118,7 +118,7 @@ func describeSandbox(w io.Writer, sb *client.Sandbox, ps []*model.Process) error
 		"Root", sb.Root,
 		"Init pid", fmt.Sprint(sb.Init.Pid),
 		"Processes", fmt.Sprintf("%d (%d running; list them with `cairn ps %s`)", len(ps), running, sb.ID),
-		"Resident memory", humanSize(sb.ResidentMemoryBytes)+" held by the zygotes of its resident checkpoints beyond its processes' memory (counts against its memory limit)",
+		"Resident", fmt.Sprintf("%d checkpoints, whose zygotes hold %s beyond its processes' memory (it counts against its memory limit)", sb.ResidentCheckpoints, humanSize(sb.ResidentMemoryBytes)),
 		"Session", orDash(sb.SessionID),
 		"Run", orDash(sb.RunID),
 		"Expires", expiry(sb),

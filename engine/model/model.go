@@ -38,6 +38,9 @@ type Sandbox struct {
 	// written since, which count against its memory limit (filled by Inspect; bounded
 	// by the engine's ResidentMemory).
 	ResidentMemoryBytes int64 `json:"resident_memory_bytes,omitempty"`
+	// ResidentCheckpoints is how many of its checkpoints are resident (filled by
+	// Inspect; bounded by the engine's Residents).
+	ResidentCheckpoints int `json:"resident_checkpoints,omitempty"`
 }
 
 // Checkpoint is a joint (filesystem, process tree) checkpoint.

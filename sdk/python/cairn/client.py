@@ -342,8 +342,9 @@ class Sandbox:
     current state descends from), ``origin`` (the checkpoint a fork started from),
     ``labels``, ``limits``, ``created_at``, ``session_id``, ``run_id``, ``expires_at``,
     ``expiry_policy``, ``idle_timeout_seconds``, ``last_activity_at``, ``paused_reason``,
-    ``resident_memory_bytes`` (memory its resident checkpoints' frozen copies hold beyond
-    its processes', counted against its memory limit; filled by ``refresh``);
+    ``resident_checkpoints`` and ``resident_memory_bytes`` (how many of its checkpoints
+    are held as frozen copies of its processes, and the memory those hold beyond its
+    processes', counted against its memory limit; filled by ``refresh``);
     ``raw`` is the JSON object. Methods that return the sandbox update them in place.
 
     Use it as a context manager to destroy it at the end::
@@ -380,6 +381,7 @@ class Sandbox:
         self.last_activity_at: Optional[_dt.datetime] = parse_time(d.get("last_activity_at"))
         self.paused_reason: str = d.get("paused_reason") or ""
         self.resident_memory_bytes: int = int(d.get("resident_memory_bytes") or 0)
+        self.resident_checkpoints: int = int(d.get("resident_checkpoints") or 0)
         return self
 
     def _path(self, *rest: str) -> str:
