@@ -36,9 +36,9 @@ type Machine struct {
 	THP         string  `json:"thp,omitempty"`
 	PageFaultUS float64 `json:"page_fault_us,omitempty"`
 	// StealPercent is the share of the machine's CPU time its hypervisor gave to other
-	// guests during the run (/proc/stat steal over all time): on a shared host it
-	// stretches every figure, and run to run it explains more than any change does
-	// (2026-12-01: 2% in one run, 20-25% in the next hour, doubling the p50s).
+	// guests during the run (steal over all CPU time): on a shared host it stretches
+	// every figure, and run to run it explains more than any change does (2026-12-01:
+	// 15-39% over a night whose p50s were 1.3-3 times the evening's).
 	StealPercent float64 `json:"steal_percent"`
 	// MemoryWarmup is how the run found the guest's free memory (see memory.go).
 	MemoryWarmup *MemoryWarmup `json:"memory_warmup,omitempty"`

@@ -79,7 +79,7 @@ type Config struct {
 	// processes map (isolation.Resident.ResidentMemory), which counts against the
 	// sandbox's memory limit: beyond it, the durable resident checkpoints least likely
 	// to be rolled back to lose their zygotes first (0: a quarter of the sandbox's memory
-	// limit, or of DefaultResidentMemoryLimit without one; -1: no bound but Residents).
+	// limit, or of isolation.DefaultMemoryBytes without one; -1: no bound but Residents).
 	ResidentMemory int64
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)

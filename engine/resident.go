@@ -239,6 +239,11 @@ func (e *Engine) residentsOf(ctx context.Context, sb *model.Sandbox, r isolation
 	if err != nil {
 		return nil, err
 	}
+	return e.residentAmong(sb, r, cks), nil
+}
+
+// residentAmong returns those of cks (checkpoints of sb) that are resident, in order.
+func (e *Engine) residentAmong(sb *model.Sandbox, r isolation.Resident, cks []*model.Checkpoint) []*model.Checkpoint {
 	isb := e.isb(sb)
 	var out []*model.Checkpoint
 	for _, ck := range cks {
@@ -246,7 +251,7 @@ func (e *Engine) residentsOf(ctx context.Context, sb *model.Sandbox, r isolation
 			out = append(out, ck)
 		}
 	}
-	return out, nil
+	return out
 }
 
 // settleResidents makes every resident checkpoint of sb durable and ends its zygotes:
@@ -339,21 +344,21 @@ func (e *Engine) evictResidents(ctx context.Context, id string) {
 	if !ok {
 		return
 	}
-	res, err := e.residentsOf(ctx, sb, r)
-	if err != nil || len(res) == 0 {
-		return
-	}
 	all, err := e.db.CheckpointsOf(ctx, sb.ID)
 	if err != nil {
 		return
 	}
-	drop := func(ck *model.Checkpoint, forMemory bool) bool {
+	res := e.residentAmong(sb, r, all)
+	if len(res) == 0 {
+		return
+	}
+	drop := func(ck *model.Checkpoint, forMemory bool) {
 		if ck.Method != methodZygoteImages {
-			return false // its copy is pending: the worker evicts it after writing it
+			return // its copy is pending: the worker evicts it after writing it
 		}
 		if err := r.DropResident(e.imagesPath(ck.Images)); err != nil {
 			e.cfg.Logf("evict zygotes of checkpoint %s: %v", ck.ID, err)
-			return false
+			return
 		}
 		e.count(func(st *Stats) {
 			st.ResidentsEvicted++
@@ -361,7 +366,6 @@ func (e *Engine) evictResidents(ctx context.Context, id string) {
 				st.ResidentsEvictedForMemory++
 			}
 		})
-		return true
 	}
 	order := evictionOrder(res, all, sb.Head)
 	excess := len(order) - e.cfg.Residents
@@ -386,10 +390,6 @@ func (e *Engine) evictResidents(ctx context.Context, id string) {
 	}
 }
 
-// DefaultResidentMemoryLimit is the memory limit residentMemoryBound assumes for a
-// sandbox created without one (the container backend's default limit).
-const DefaultResidentMemoryLimit = 2 << 30
-
 // residentMemoryBound is Config.ResidentMemory for sb: by default a quarter of its
 // memory limit; -1 for none.
 func (e *Engine) residentMemoryBound(sb *model.Sandbox) int64 {
@@ -398,7 +398,7 @@ func (e *Engine) residentMemoryBound(sb *model.Sandbox) int64 {
 	}
 	limit := sb.Limits.MemoryBytes
 	if limit <= 0 {
-		limit = DefaultResidentMemoryLimit
+		limit = isolation.DefaultMemoryBytes
 	}
 	return limit / 4
 }
@@ -630,19 +630,15 @@ func (e *Engine) residentFor(sb *model.Sandbox) (isolation.Resident, bool) {
 	return e.residentOf(b)
 }
 
-// residentMemory returns Sandbox.ResidentMemoryBytes and ResidentCheckpoints of a
-// running sandbox (0 for what cannot be read, or if the backend keeps no zygotes).
-func (e *Engine) residentMemory(ctx context.Context, sb *model.Sandbox) (int64, int) {
-	if sb.State != model.StateRunning {
-		return 0, 0
-	}
+// residentMemory is Sandbox.ResidentMemoryBytes of a running sandbox (0 if it cannot
+// be read, or the backend keeps no zygotes).
+func (e *Engine) residentMemory(sb *model.Sandbox) int64 {
 	r, ok := e.residentFor(sb)
-	if !ok {
-		return 0, 0
+	if !ok || sb.State != model.StateRunning {
+		return 0
 	}
 	n, _ := r.ResidentMemory(e.isb(sb))
-	res, _ := e.residentsOf(ctx, sb, r)
-	return n, len(res)
+	return n
 }
 
 // ResidentMemory returns the memory the zygotes of every running sandbox hold beyond
@@ -654,8 +650,7 @@ func (e *Engine) ResidentMemory(ctx context.Context) (int64, error) {
 	}
 	var n int64
 	for _, sb := range sbs {
-		held, _ := e.residentMemory(ctx, sb)
-		n += held
+		n += e.residentMemory(sb)
 	}
 	return n, nil
 }

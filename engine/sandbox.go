@@ -121,7 +121,11 @@ func (e *Engine) Inspect(ctx context.Context, id string) (*model.Sandbox, error)
 	if err != nil {
 		return nil, err
 	}
-	sb.ResidentMemoryBytes, sb.ResidentCheckpoints = e.residentMemory(ctx, sb)
+	sb.ResidentMemoryBytes = e.residentMemory(sb)
+	if r, ok := e.residentFor(sb); ok && sb.State == model.StateRunning {
+		res, _ := e.residentsOf(ctx, sb, r)
+		sb.ResidentCheckpoints = len(res)
+	}
 	return sb, nil
 }
 

@@ -25,6 +25,10 @@ import (
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 )
 
+// DefaultMemoryBytes is the memory limit of a sandbox created without one, on every
+// backend.
+const DefaultMemoryBytes = 2 << 30
+
 // Limits caps a sandbox's resources; zero means the backend's default.
 type Limits struct {
 	MemoryBytes int64   `json:"memory_bytes,omitempty"`

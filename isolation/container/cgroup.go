@@ -83,7 +83,7 @@ func createCgroups(id string, l isolation.Limits) error {
 	}
 	mem := l.MemoryBytes
 	if mem <= 0 {
-		mem = 2 << 30
+		mem = isolation.DefaultMemoryBytes
 	}
 	pids := l.Pids
 	if pids <= 0 {

@@ -1,12 +1,12 @@
 package container
 
 import (
-	"bufio"
-	"bytes"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
@@ -28,7 +28,7 @@ func (b *Backend) ResidentMemory(sb *isolation.Sandbox) (int64, error) {
 		return 0, err
 	}
 	for _, pid := range cgroupPids(sb.CgroupName()) {
-		n, err := statusBytes(pid, "RssAnon:")
+		n, err := kbFields(procFile(pid, "status"), "RssAnon")
 		if err != nil {
 			continue // exited meanwhile: its pages are gone from total too, or soon
 		}
@@ -50,43 +50,46 @@ func (b *Backend) CheckpointMemory(dir string) (int64, error) {
 		if !p.Zygote.Alive() {
 			continue
 		}
-		for _, field := range []string{"Private_Clean:", "Private_Dirty:"} {
-			n, err := kbField(filepath.Join("/proc", strconv.Itoa(p.Zygote.Pid), "smaps_rollup"), field)
-			if err != nil {
-				return 0, err
-			}
-			total += n
+		n, err := kbFields(procFile(p.Zygote.Pid, "smaps_rollup"), "Private_Clean", "Private_Dirty")
+		if err != nil {
+			return 0, err
 		}
+		total += n
 	}
 	return total, nil
 }
 
-// statusBytes reads a "Name:   123 kB" field of /proc/<pid>/status.
-func statusBytes(pid int, field string) (int64, error) {
-	return kbField(filepath.Join("/proc", strconv.Itoa(pid), "status"), field)
+func procFile(pid int, name string) string {
+	return filepath.Join("/proc", strconv.Itoa(pid), name)
 }
 
-// kbField reads a "Name:   123 kB" field of a /proc file, in bytes.
-func kbField(path, field string) (int64, error) {
+// kbFields reads the "Name:   123 kB" fields names of a /proc file in one read, and
+// returns their sum in bytes.
+func kbFields(path string, names ...string) (int64, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return 0, err
 	}
-	sc := bufio.NewScanner(bytes.NewReader(data))
-	for sc.Scan() {
-		v, ok := bytes.CutPrefix(sc.Bytes(), []byte(field))
-		if !ok {
+	var sum int64
+	found := 0
+	for _, l := range strings.Split(string(data), "\n") {
+		k, v, ok := strings.Cut(l, ":")
+		if !ok || !slices.Contains(names, k) {
 			continue
 		}
-		f := bytes.Fields(v)
+		f := strings.Fields(v)
 		if len(f) == 0 {
-			break
+			continue
 		}
-		kb, err := strconv.ParseInt(string(f[0]), 10, 64)
+		kb, err := strconv.ParseInt(f[0], 10, 64)
 		if err != nil {
-			return 0, fmt.Errorf("%s: %s %q: %w", path, field, v, err)
+			return 0, fmt.Errorf("%s: %s %q: %w", path, k, v, err)
 		}
-		return kb << 10, nil
+		sum += kb << 10
+		found++
 	}
-	return 0, fmt.Errorf("%s: no %s field", path, field)
+	if found != len(names) {
+		return 0, fmt.Errorf("%s: %d of the fields %v", path, found, names)
+	}
+	return sum, nil
 }

@@ -127,7 +127,7 @@ func resources(l isolation.Limits) *ociResources {
 	r := &ociResources{}
 	mem := l.MemoryBytes
 	if mem <= 0 {
-		mem = 2 << 30
+		mem = isolation.DefaultMemoryBytes
 	}
 	pids := l.Pids
 	if pids <= 0 {
