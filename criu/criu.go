@@ -168,21 +168,17 @@ func launchScript(argv []string, errlog string, cgroups []string, background boo
 		fmt.Fprintf(&sb, " %q", a)
 	}
 	sb.WriteString(" \"$@\"\n")
-	f, err := os.CreateTemp("", "cairn-criu-*.sh")
+	// The script lives in a sealed memfd, run through /proc/<our pid>/fd: nothing is
+	// written to disk, and a caller killed before its cleanup leaves nothing behind.
+	f, err := sealedMemfd("cairn-criu-launch", []byte(sb.String()))
 	if err != nil {
-		return "", nil, err
+		return "", nil, fmt.Errorf("CRIU launcher script: %w", err)
 	}
-	defer f.Close()
-	if _, err := f.WriteString(sb.String()); err != nil {
-		os.Remove(f.Name())
-		return "", nil, err
-	}
-	if err := f.Chmod(0o700); err != nil {
-		os.Remove(f.Name())
-		return "", nil, err
-	}
-	return f.Name(), func() { os.Remove(f.Name()) }, nil
+	return procPath(f), func() { f.Close() }, nil
 }
+
+// procPath names f for another process for as long as this one keeps f open.
+func procPath(f *os.File) string { return fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), f.Fd()) }
 
 // retryBusy runs f again while starting the launcher fails with ETXTBSY: a child forked
 // by another goroutine may briefly hold the script's write descriptor (golang/go#22315).

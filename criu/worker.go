@@ -12,6 +12,8 @@ import (
 
 	gocriu "github.com/checkpoint-restore/go-criu/v8"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cairn-sandbox/cairn/internal/netns"
 )
 
@@ -80,33 +82,35 @@ func startRestoreWorker(path string, background bool) (*Worker, error) {
 
 // start launches the worker's CRIU; on failure it releases everything w holds.
 func (w *Worker) start(path string) error {
-	var files []string // removed by cleanup
+	// The launcher's log and PID file are memfds, like the launcher itself: a worker
+	// left by a killed cairn leaves no files.
+	var closers []func() // run by cleanup
 	w.cleanup = func() {
-		for _, f := range files {
-			os.Remove(f)
+		for _, c := range closers {
+			c()
 		}
 		if w.ns != nil {
 			w.ns.Close()
 		}
 	}
-	temp := func(pattern string) (string, error) {
-		f, err := os.CreateTemp("", pattern)
+	scratch := func(name string) (string, error) {
+		fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
 		if err != nil {
 			return "", err
 		}
-		f.Close()
-		files = append(files, f.Name())
-		return f.Name(), nil
+		f := os.NewFile(uintptr(fd), name)
+		closers = append(closers, func() { f.Close() })
+		return procPath(f), nil
 	}
-	log, err := temp("cairn-criu-launch-*.log")
+	log, err := scratch("cairn-criu-launch.log")
 	if err == nil && w.restore {
-		w.pidFile, err = temp("cairn-criu-pid-*")
+		w.pidFile, err = scratch("cairn-criu-pid")
 	}
 	var run string
 	if err == nil {
-		run, _, err = launcher(path, w.netns, log, nil, w.background, w.pidFile)
-		if err == nil {
-			files = append(files, run)
+		var closeRun func()
+		if run, closeRun, err = launcher(path, w.netns, log, nil, w.background, w.pidFile); err == nil {
+			closers = append(closers, closeRun)
 		}
 	}
 	if err == nil {

@@ -63,7 +63,10 @@ var (
 	buildErr  error
 )
 
-// InitBinary builds cmd/cairn-init once per test process.
+// InitBinary builds cmd/cairn-init once per test process. Every test process shares one
+// file (cairn-test-init in the temporary directory): each builds beside it and renames
+// its build over it, which a sandbox started from the previous build does not notice (it
+// holds the old inode). So test runs, even killed ones, leave one binary, not one each.
 func InitBinary(t testing.TB) string {
 	t.Helper()
 	buildOnce.Do(func() {
@@ -72,14 +75,17 @@ func InitBinary(t testing.TB) string {
 			buildErr = err
 			return
 		}
-		initPath = filepath.Join(dir, "cairn-init")
-		cmd := exec.Command("go", "build", "-o", initPath, "./cmd/cairn-init")
+		defer os.RemoveAll(dir)
+		built := filepath.Join(dir, "cairn-init")
+		cmd := exec.Command("go", "build", "-o", built, "./cmd/cairn-init")
 		cmd.Dir = RepoRoot()
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := cmd.CombinedOutput(); err != nil {
-			buildErr = err
-			initPath = string(out)
+			buildErr, initPath = err, string(out)
+			return
 		}
+		initPath = filepath.Join(os.TempDir(), "cairn-test-init")
+		buildErr = os.Rename(built, initPath)
 	})
 	if buildErr != nil {
 		t.Fatalf("build cairn-init: %v: %s", buildErr, initPath)

@@ -155,8 +155,10 @@ SANDBOX = {
 }
 
 
-def free_unix_path():
+def free_unix_path(testcase):
+    """A socket path nothing listens on, in a directory removed when testcase ends."""
     d = tempfile.mkdtemp(prefix="cairn-none-")
+    testcase.addCleanup(os.rmdir, d)
     return os.path.join(d, "nobody.sock")
 
 

@@ -544,7 +544,7 @@ class TestFakeTCP(FakeTestCase):
 class TestNoDaemon(unittest.TestCase):
     def test_unreachable(self):
         with self.assertRaises(cairn.Unavailable) as cm:
-            cairn.Client("unix://" + free_unix_path()).health()
+            cairn.Client("unix://" + free_unix_path(self)).health()
         self.assertIn("is cairnd running?", cm.exception.detail)
         self.assertIsNone(cm.exception.status)
         with self.assertRaises(cairn.Unavailable):
