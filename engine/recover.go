@@ -3,19 +3,20 @@ package engine
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io/fs"
 	"os"
-	"path"
 	"path/filepath"
 	"strings"
 
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container"
+	"github.com/cairn-sandbox/cairn/isolation/gvisor"
 )
 
-// recover brings the data directory back to a consistent state after a crash: it thaws
-// sandboxes a dead checkpoint left frozen, and removes staging directories, unrecorded
+// recover brings the data directory back to a consistent state after a crash: it has
+// the backends undo what a dead checkpoint left in running sandboxes (Recoverer: a
+// frozen sandbox thawed), and removes staging directories, unrecorded
 // checkpoint directories and unreferenced roots of sandboxes nobody is working on.
 func (e *Engine) recover(ctx context.Context) error {
 	if err := e.btrfs.Recover(ctx); err != nil {
@@ -28,11 +29,11 @@ func (e *Engine) recover(ctx context.Context) error {
 	for _, sb := range sbs {
 		if sb.State == model.StateRunning {
 			if unlock, ok := e.tryLock(sb.ID); ok {
-				thawIfFrozen(path.Base(sb.Root))
+				// One sandbox left stuck does not keep the engine from starting: the next
+				// start tries again.
 				if r, ok := e.backends[sb.Isolation].(Recoverer); ok {
 					if err := r.Recover(ctx, e.isb(sb)); err != nil {
-						unlock()
-						return fmt.Errorf("sandbox %s: %w", sb.ID, err)
+						e.cfg.Logf("recover sandbox %s: %v", sb.ID, err)
 					}
 				}
 				unlock()
@@ -76,21 +77,17 @@ func (e *Engine) recoverLost(ctx context.Context) {
 }
 
 // Recoverer is an optional ability of an isolation backend: undoing what a checkpoint
-// that died halfway left behind in a running sandbox (gVisor: a paused sandbox, which no
-// cgroup freezer shows). Recover is called under the sandbox's lock at engine start, so
+// that died halfway left behind in a running sandbox (container: a frozen cgroup, and a
+// CRIU still dumping; gVisor: a paused sandbox). Recover is called under the sandbox's lock at engine start, so
 // it must cost nothing when there is nothing to undo.
 type Recoverer interface {
 	Recover(ctx context.Context, sb *isolation.Sandbox) error
 }
 
-// thawIfFrozen thaws a sandbox (by cgroup name) whose checkpoint died between freeze
-// and thaw.
-func thawIfFrozen(cgroup string) {
-	f := filepath.Join("/sys/fs/cgroup/freezer/cairn", cgroup, "freezer.state")
-	if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) != "THAWED" {
-		os.WriteFile(f, []byte("THAWED"), 0)
-	}
-}
+var (
+	_ Recoverer = (*container.Backend)(nil)
+	_ Recoverer = (*gvisor.Backend)(nil)
+)
 
 // sweep removes leftovers: staging entries, checkpoint directories without a row, and
 // roots no sandbox points at — each only when the owning sandbox's lock is free.

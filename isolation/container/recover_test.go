@@ -1,0 +1,117 @@
+package container
+
+import (
+	"context"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/isolation"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
+)
+
+// tracerEnv makes the test binary play a CRIU whose caller died (TestMain): given
+// "PID:FREEZER", it seizes the process, says "seized" on stdout, and 300 ms later
+// freezes the freezer cgroup FREEZER (the state CRIU found) and exits, which lets the
+// process go.
+const tracerEnv = "CAIRN_TEST_TRACER"
+
+func TestMain(m *testing.M) {
+	if v := os.Getenv(tracerEnv); v != "" {
+		p, dir, _ := strings.Cut(v, ":")
+		pid, _ := strconv.Atoi(p)
+		runtime.LockOSThread()
+		if err := unix.PtraceSeize(pid); err != nil {
+			os.Stderr.WriteString("seize: " + err.Error() + "\n")
+			os.Exit(1)
+		}
+		os.Stdout.WriteString("seized")
+		time.Sleep(300 * time.Millisecond)
+		freezer.Write(dir, freezer.Frozen)
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestRecoverWaitsForCRIU plays a checkpoint that died while CRIU was dumping (the order
+// of criu/seize.c): the engine froze the sandbox, CRIU seized its process and thawed the
+// cgroup; with its caller gone CRIU ends the dump by freezing the cgroup again (the
+// state it found) and letting the process go. Recover must leave the sandbox thawed: a
+// thaw at once, or as soon as the tracer goes, is undone or too early.
+func TestRecoverWaitsForCRIU(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (cgroups, ptrace)")
+	}
+	sb := &isolation.Sandbox{ID: "recover-test", Cgroup: "recover-test-" + strconv.Itoa(os.Getpid())}
+	dir := ctrlDir("freezer", sb.CgroupName())
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		freezer.Write(dir, freezer.Thawed)
+		cmd.Wait()
+		for i := 0; i < 100 && os.Remove(dir) != nil; i++ {
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := freezer.Set(dir, freezer.Frozen); err != nil {
+		t.Fatal(err)
+	}
+	tracer := exec.Command(os.Args[0], "-test.run=^$")
+	tracer.Env = append(os.Environ(), tracerEnv+"="+strconv.Itoa(cmd.Process.Pid)+":"+dir)
+	tracer.Stderr = os.Stderr
+	out, err := tracer.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tracer.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := io.ReadAll(io.LimitReader(out, 6)); string(b) != "seized" {
+		tracer.Wait()
+		t.Fatalf("the tracer did not seize the process (%q)", b)
+	}
+	done := make(chan struct{})
+	go func() { tracer.Wait(); close(done) }()
+	t.Cleanup(func() { tracer.Process.Kill(); <-done })
+	if err := freezer.Set(dir, freezer.Thawed); err != nil { // as CRIU does once it holds the tree
+		t.Fatal(err)
+	}
+
+	if outsideTracer(sb.CgroupName()) == 0 {
+		t.Fatal("the process shows no tracer")
+	}
+	start := time.Now()
+	if err := (&Backend{}).Recover(context.Background(), sb); err != nil {
+		t.Fatalf("Recover: %v", err)
+	}
+	t.Logf("Recover took %v", time.Since(start).Round(time.Millisecond))
+	<-done
+	if got := state(dir); got != freezer.Thawed {
+		t.Fatalf("after Recover the sandbox is %s, want %s", got, freezer.Thawed)
+	}
+	if outsideTracer(sb.CgroupName()) != 0 {
+		t.Fatal("the process is still traced")
+	}
+
+	// Nothing to undo: Recover returns at once and leaves it thawed.
+	if err := (&Backend{}).Recover(context.Background(), sb); err != nil || state(dir) != freezer.Thawed {
+		t.Fatalf("Recover of a thawed sandbox: %v, state %s", err, state(dir))
+	}
+}
