@@ -227,25 +227,21 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	}
 	t := time.Now()
 	adoptStrays(rec, sb)
-	if err := killAllButInit(sb); err != nil {
+	if err := killAllButInit(ctx, sb); err != nil {
 		return err
 	}
 	phase.Since(ctx, "kill", t)
+	// A background CRIU (a durable copy, dumping from inside) writes in the root too.
 	release, err := holdCRIU(sb.CgroupName())
 	if err != nil {
 		return err
 	}
 	defer release()
-	// Init is frozen while the processes are forked: its Go runtime starts threads
-	// whenever it likes, and each takes the next PID of the namespace.
-	t = time.Now()
-	if err := freeze(sb.CgroupName()); err != nil {
-		return err
-	}
-	phase.Since(ctx, "freeze_init", t)
-	// The root is reverted on another thread while the zygotes fork (a fork copies
-	// memory and descriptors, not files; the fixups after it need the checkpoint's
-	// files), each taking a few milliseconds, mostly in the kernel.
+	// The root is reverted on another thread from here on, the longest part of a
+	// rollback: it may begin once the processes are reaped (init has written their exit
+	// records) and CRIU is held, as nothing else writes there until the reload, and it
+	// goes on while init is frozen and the zygotes fork (a fork copies memory and
+	// descriptors, not files; the fixups after it need the checkpoint's files).
 	reverted := make(chan error, 1)
 	go func() {
 		err := revert(ctx)
@@ -255,6 +251,14 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		reverted <- err
 	}()
 	waitRevert := sync.OnceValue(func() error { return <-reverted })
+	// Init is frozen while the processes are forked: its Go runtime starts threads
+	// whenever it likes, and each takes the next PID of the namespace.
+	t = time.Now()
+	if err := freeze(sb.CgroupName()); err != nil {
+		waitRevert() // the caller's fallback reverts again, not beside this one
+		return err
+	}
+	phase.Since(ctx, "freeze_init", t)
 	t = time.Now()
 	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: waitRevert, Phase: prefixed(ctx, "spawn_")})
 	if rerr := waitRevert(); err == nil {
@@ -296,7 +300,7 @@ func killAndRevert(ctx context.Context, sb *isolation.Sandbox, revert func(conte
 	// their PIDs are gone, nothing more is written for them, and the revert removes what
 	// was.
 	t := time.Now()
-	if err := killAllButInit(sb); err != nil {
+	if err := killAllButInit(ctx, sb); err != nil {
 		return nil, err
 	}
 	phase.Since(ctx, "kill", t)
@@ -320,8 +324,11 @@ func adoptStrays(rec *zygote.Record, sb *isolation.Sandbox) {
 
 // killAllButInit kills every process of the sandbox but init (its zygotes are not in its
 // freezer cgroup) and waits until init has reaped them, so that their PIDs are free.
-func killAllButInit(sb *isolation.Sandbox) error {
-	deadline := time.Now().Add(10 * time.Second)
+// Phases: kill_exit until the last has left the cgroup (exited: its memory unmapped, its
+// files closed), kill_reap until init has recorded and reaped the last.
+func killAllButInit(ctx context.Context, sb *isolation.Sandbox) error {
+	start := time.Now()
+	deadline := start.Add(10 * time.Second)
 	killed := map[int]bool{}
 	for {
 		n := 0
@@ -340,7 +347,10 @@ func killAllButInit(sb *isolation.Sandbox) error {
 		}
 		time.Sleep(100 * time.Microsecond)
 	}
+	phase.Since(ctx, "kill_exit", start)
 	// A process leaves its cgroup when it exits, its PID when its parent reaps it.
+	t := time.Now()
+	defer phase.Since(ctx, "kill_reap", t)
 	for p := range killed {
 		for {
 			if _, err := os.Stat("/proc/" + strconv.Itoa(p)); err != nil {

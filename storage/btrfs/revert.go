@@ -29,26 +29,27 @@ import (
 // instead of copying them. Revert is thus one receive onto the parent itself: the work
 // is proportional to what changed since the snapshot, not to the size of the volume.
 //
-// The kernel sends only from read-only roots, so live is made read-only for the send and
-// writable again before the stream is applied (applying needs it writable; the stream is
-// small, metadata only, and is kept in memory). Send reads the committed trees, so data
-// written to live but not yet written back must be flushed first, or it would stay
-// changed. The send ioctl does that itself, for its parent and clone roots only: it
-// writes back their delalloc, waits for it and commits before it reads (Linux 5.2 and
-// the stable kernels since 3.19, written for this very case of a volume turned
-// read-only with dirty data). A syncfs before it would be redundant, and would write
-// back every volume of the filesystem, other sandboxes' included.
+// The kernel sends only from read-only roots, so Revert takes a temporary read-only
+// snapshot of live (a ".tmp-" name, deleted once the difference is read: ~0.2 ms) and
+// sends with it as the parent; live itself stays writable throughout (the stream is
+// small, metadata only, and is kept in memory). Send reads committed trees, so data
+// written to live but not yet written back would be missed: creating the snapshot
+// writes back live's delalloc and commits first, which makes it the costly step of a
+// Revert (the commit, mostly its delayed references, in docs/performance.md). A syncfs
+// before it would be redundant, and would write back every volume of the filesystem,
+// other sandboxes' included.
 //
 // # Crash consistency and idempotence
 //
 // Every operation of the stream is one system call (a data update a few, each of which
 // leaves the file a mixture of old and new ranges), so an interruption leaves live a
 // consistent tree somewhere between its old content and the snapshot's, possibly with
-// some of the kernel's temporary names ("o257-12-0") and, after a crash in the send
-// window, still read-only. Running Revert again computes a fresh difference from that
-// state and converges; the kernel picks temporary names free in both trees. Files
-// present in both keep their inode across an interruption too: the stream unlinks the
-// last name of an inode only if the snapshot does not have that inode.
+// some of the kernel's temporary names ("o257-12-0") and, after a crash before the
+// temporary snapshot is deleted, that snapshot (which Recover deletes). Running Revert
+// again computes a fresh difference from that state and converges; the kernel picks
+// temporary names free in both trees. Files present in both keep their inode across an
+// interruption too: the stream unlinks the last name of an inode only if the snapshot
+// does not have that inode.
 //
 // The mapping of a changed range to its source: a stream path names the inode being
 // updated in live at that point of the stream. An inode that live and the snapshot

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -285,7 +286,7 @@ func forkAs(z *ptrace.Tracee, nsPid int, o SpawnOptions) (*ptrace.Tracee, error)
 			return nil, err
 		}
 		if try == pidTries {
-			return nil, fmt.Errorf("the new process got PID %d, not %d: the PID is taken", got, nsPid)
+			return nil, fmt.Errorf("the new process got PID %d, not %d: the PID is taken (%s)", got, nsPid, holderOf(z.Pid, nsPid))
 		}
 		time.Sleep(time.Duration(try) * time.Millisecond)
 	}
@@ -536,4 +537,46 @@ func crashPoint(name string) {
 		unix.Kill(os.Getpid(), unix.SIGKILL)
 		select {}
 	}
+}
+
+// holderOf describes the task holding PID nsPid in the pid namespace of pid, for the
+// error of a fork that could not get it: its host PID, command, and whether it is a
+// thread, a zygote (not dumpable, frozen) or of another cgroup (a background CRIU).
+func holderOf(pid, nsPid int) string {
+	ns, err := os.Readlink(procDir(pid) + "/ns/pid")
+	if err != nil {
+		return "holder unknown"
+	}
+	procs, _ := os.ReadDir("/proc")
+	for _, d := range procs {
+		tgid, err := strconv.Atoi(d.Name())
+		if err != nil {
+			continue
+		}
+		if n, _ := os.Readlink(procDir(tgid) + "/ns/pid"); n != ns {
+			continue
+		}
+		tasks, _ := os.ReadDir(procDir(tgid) + "/task")
+		for _, t := range tasks {
+			tid, _ := strconv.Atoi(t.Name())
+			st, err := readStatus(tid)
+			if err != nil || st.nsPid != nsPid {
+				continue
+			}
+			comm, _ := os.ReadFile(procDir(tgid) + "/comm")
+			cg, _ := os.ReadFile(procDir(tid) + "/cgroup")
+			fz := ""
+			for _, l := range strings.Split(string(cg), "\n") {
+				if _, rest, ok := strings.Cut(l, ":freezer:"); ok {
+					fz = rest
+				}
+			}
+			what := "process"
+			if tid != tgid {
+				what = fmt.Sprintf("thread of process %d", tgid)
+			}
+			return fmt.Sprintf("held by %s %d (%s), freezer cgroup %s", what, tid, strings.TrimSpace(string(comm)), fz)
+		}
+	}
+	return "holder not found: it has exited since"
 }
