@@ -5,7 +5,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer/freezertest"
 )
 
 // tracerEnv makes the test binary play a CRIU whose caller died (TestMain): given
@@ -52,24 +52,7 @@ func TestRecoverWaitsForCRIU(t *testing.T) {
 	}
 	sb := &isolation.Sandbox{ID: "recover-test", Cgroup: "recover-test-" + strconv.Itoa(os.Getpid())}
 	dir := ctrlDir("freezer", sb.CgroupName())
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command("sleep", "60")
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		freezer.Write(dir, freezer.Thawed)
-		cmd.Wait()
-		for i := 0; i < 100 && os.Remove(dir) != nil; i++ {
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0); err != nil {
-		t.Fatal(err)
-	}
+	cmd := freezertest.Sleeper(t, dir)
 	if err := freezer.Set(dir, freezer.Frozen); err != nil {
 		t.Fatal(err)
 	}

@@ -2,12 +2,12 @@ package freezer
 
 import (
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"testing"
-	"time"
+
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer/freezertest"
 )
 
 // TestFreezeAndThaw freezes a real process in a freezer cgroup of its own and thaws it.
@@ -20,24 +20,7 @@ func TestFreezeAndThaw(t *testing.T) {
 		t.Fatalf("no cgroup v1 freezer hierarchy at %s: %v", root, err)
 	}
 	dir := filepath.Join(root, "cairn-freezer-test-"+strconv.Itoa(os.Getpid()))
-	if err := os.Mkdir(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command("sleep", "60")
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		Write(dir, Thawed)
-		cmd.Wait()
-		for i := 0; i < 100 && os.Remove(dir) != nil; i++ {
-			time.Sleep(10 * time.Millisecond)
-		}
-	})
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0); err != nil {
-		t.Fatal(err)
-	}
+	cmd := freezertest.Sleeper(t, dir)
 	if got := Procs(dir); !slices.Equal(got, []int{cmd.Process.Pid}) {
 		t.Fatalf("Procs = %v, want [%d]", got, cmd.Process.Pid)
 	}
