@@ -71,6 +71,8 @@ func startDaemon(t testing.TB, env []string, args ...string) *daemon {
 	cmd := exec.Command(filepath.Join(binDir, "cairnd"), args...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	// A test binary killed before its cleanup does not leave its cairnd serving.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

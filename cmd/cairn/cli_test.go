@@ -198,6 +198,8 @@ func TestScenarioDaemon(t *testing.T) {
 	}
 	d := exec.Command(filepath.Join(binDir, "cairnd"), "--data-dir", testenv.DataDir(), "--socket", sock)
 	d.Stdout, d.Stderr = logf, logf
+	// A test binary killed before its cleanup does not leave its cairnd serving.
+	d.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := d.Start(); err != nil {
 		t.Fatal(err)
 	}
