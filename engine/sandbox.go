@@ -121,8 +121,8 @@ func (e *Engine) Inspect(ctx context.Context, id string) (*model.Sandbox, error)
 	if err != nil {
 		return nil, err
 	}
-	sb.ResidentMemoryBytes = e.residentMemory(sb)
 	if r, ok := e.residentFor(sb); ok && sb.State == model.StateRunning {
+		sb.ResidentMemoryBytes, _ = r.ResidentMemory(e.isb(sb))
 		res, _ := e.residentsOf(ctx, sb, r)
 		sb.ResidentCheckpoints = len(res)
 	}

@@ -86,7 +86,7 @@ func TestRecoverWaitsForCRIU(t *testing.T) {
 	}
 	t.Logf("Recover took %v", time.Since(start).Round(time.Millisecond))
 	<-done
-	if got := state(dir); got != freezer.Thawed {
+	if got := freezer.State(dir); got != freezer.Thawed {
 		t.Fatalf("after Recover the sandbox is %s, want %s", got, freezer.Thawed)
 	}
 	if outsideTracer(sb.CgroupName()) != 0 {
@@ -94,7 +94,7 @@ func TestRecoverWaitsForCRIU(t *testing.T) {
 	}
 
 	// Nothing to undo: Recover returns at once and leaves it thawed.
-	if err := (&Backend{}).Recover(context.Background(), sb); err != nil || state(dir) != freezer.Thawed {
-		t.Fatalf("Recover of a thawed sandbox: %v, state %s", err, state(dir))
+	if err := (&Backend{}).Recover(context.Background(), sb); err != nil || freezer.State(dir) != freezer.Thawed {
+		t.Fatalf("Recover of a thawed sandbox: %v, state %s", err, freezer.State(dir))
 	}
 }

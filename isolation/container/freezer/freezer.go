@@ -65,9 +65,12 @@ func wait(dir, state string, rewrite bool) error {
 }
 
 // IsFrozen reports whether the cgroup is FROZEN (false if its state cannot be read).
-func IsFrozen(dir string) bool {
-	b, err := os.ReadFile(filepath.Join(dir, "freezer.state"))
-	return err == nil && strings.TrimSpace(string(b)) == Frozen
+func IsFrozen(dir string) bool { return State(dir) == Frozen }
+
+// State reads the cgroup's state: THAWED, FREEZING or FROZEN ("" if it cannot be read).
+func State(dir string) string {
+	b, _ := os.ReadFile(filepath.Join(dir, "freezer.state"))
+	return strings.TrimSpace(string(b))
 }
 
 // Procs lists the processes in the cgroup (none if it cannot be read).

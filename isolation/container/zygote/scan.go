@@ -70,6 +70,12 @@ func NSPid(pid int) (int, error) {
 	return st.nsPid, nil
 }
 
+// Tracer returns the PID of the process tracing pid (0 for none).
+func Tracer(pid int) (int, error) {
+	st, err := readStatus(pid)
+	return st.tracer, err
+}
+
 // Children lists the children of pid (of all its threads).
 func Children(pid int) ([]int, error) {
 	tasks, err := os.ReadDir(procDir(pid) + "/task")
