@@ -2,6 +2,7 @@ package engine_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -11,6 +12,7 @@ import (
 	"github.com/cairn-sandbox/cairn/criu/incremental"
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/internal/testenv"
 )
 
@@ -399,5 +401,69 @@ func TestRecoverLostCheckpoint(t *testing.T) {
 	r.e = e2
 	if got := r.ask("print(x)"); got != "1" {
 		t.Fatalf("REPL after rollback to %s: %q, want 1", c1.ID, got)
+	}
+}
+
+// TestRollbackReusedPID rolls back to a checkpoint one of whose processes has a PID that
+// a process born later could have taken: with c (the REPL alone), then b (the REPL and a
+// sleep beside it), a rollback to c kills the sleep, and the zygote of the next
+// checkpoint is forked then. Had the namespace's next PID gone back to the REPL's (as
+// the spawn of c's processes leaves it), that zygote would take the sleep's PID, which
+// the rollback to b needs: its spawn would find the PID taken and fall back to images.
+func TestRollbackReusedPID(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	checkpoint := func() *model.Checkpoint {
+		t.Helper()
+		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ck.Method != "zygote" {
+			got, _ := e.GetCheckpoint(ctx, ck.ID)
+			t.Fatalf("checkpoint: method %s (%s), want zygote", ck.Method, got.MethodReason)
+		}
+		return ck
+	}
+	r.ask("import os")
+	c := checkpoint()
+	h, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"sleep", "1000"}, NoStdin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := checkpoint()
+	running := func() string {
+		t.Helper()
+		p, err := e.Process(ctx, sb.ID, h)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			return "none"
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !p.Running {
+			return "exited"
+		}
+		return r.ask(fmt.Sprintf("print(open('/proc/%d/comm').read().strip())", p.Pid))
+	}
+	if got := running(); got != "sleep" {
+		t.Fatalf("before the rollbacks: the sleep is %s", got)
+	}
+	if err := e.Rollback(ctx, sb.ID, c.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := running(); got != "none" {
+		t.Fatalf("after the rollback to c: the sleep is %s, want none", got)
+	}
+	checkpoint()
+	if err := e.Rollback(ctx, sb.ID, b.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := running(); got != "sleep" {
+		t.Fatalf("after the rollback to b: the sleep is %s", got)
+	}
+	if st := e.Stats(); st.ResidentRollbacks != 2 {
+		t.Fatalf("%d of 2 rollbacks went through zygotes (restores in place %d)", st.ResidentRollbacks, st.InPlaceRestores)
 	}
 }

@@ -31,11 +31,13 @@ type lastPidHelper struct {
 	out *bufio.Reader
 }
 
-// lastPidScript answers each number N read on stdin by making N the next PID. (It can
-// only write: dash reads a byte at a time, and a sysctl file reads as end-of-file at
-// any offset but 0.)
-const lastPidScript = `while read n; do
-  if echo $((n - 1)) > /proc/sys/kernel/ns_last_pid; then echo ok; else echo error; fi
+// lastPidScript answers each number N read on stdin by making N the next PID, and says
+// which PID was the last before ("ok LAST"). Bash, not dash: a sysctl file reads as
+// end-of-file at any offset but 0, and dash reads a byte at a time (bash reads a
+// seekable file in one go).
+const lastPidScript = `while read -r n; do
+  read -r last < /proc/sys/kernel/ns_last_pid
+  if echo $((n - 1)) > /proc/sys/kernel/ns_last_pid; then echo "ok $last"; else echo error; fi
 done`
 
 // helper returns the sandbox's helper, starting it when there is none (or it died).
@@ -89,7 +91,7 @@ func startLastPid(initPid int) (*lastPidHelper, error) {
 			res <- result{err: fmt.Errorf("join pid namespace of %d: %w", initPid, err)}
 			return
 		}
-		cmd := exec.Command("/bin/sh", "-c", lastPidScript)
+		cmd := exec.Command("/bin/bash", "-c", lastPidScript)
 		in, err := cmd.StdinPipe()
 		if err != nil {
 			res <- result{err: err}
@@ -120,7 +122,7 @@ func startLastPid(initPid int) (*lastPidHelper, error) {
 func (r *residents) setPidBase(init isolation.Proc) error {
 	h, err := r.helper(init)
 	if err == nil {
-		err = h.set(UserPidBase)
+		_, err = h.set(UserPidBase)
 	}
 	if err != nil {
 		return fmt.Errorf("PID base of the sandbox: %w", err)
@@ -128,19 +130,24 @@ func (r *residents) setPidBase(init isolation.Proc) error {
 	return nil
 }
 
-// set makes nsPid the next PID of the helper's namespace.
-func (h *lastPidHelper) set(nsPid int) error {
+// set makes nsPid the next PID of the helper's namespace and returns the last PID the
+// namespace gave before.
+func (h *lastPidHelper) set(nsPid int) (last int, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if _, err := fmt.Fprintln(h.in, strconv.Itoa(nsPid)); err != nil {
-		return fmt.Errorf("PID helper: %w", err)
+		return 0, fmt.Errorf("PID helper: %w", err)
 	}
 	line, err := h.out.ReadString('\n')
 	if err != nil {
-		return fmt.Errorf("PID helper: %w", err)
+		return 0, fmt.Errorf("PID helper: %w", err)
 	}
-	if line = strings.TrimSpace(line); line != "ok" {
-		return fmt.Errorf("PID helper could not write ns_last_pid (%s)", line)
+	ok, n, found := strings.Cut(strings.TrimSpace(line), " ")
+	if ok != "ok" || !found {
+		return 0, fmt.Errorf("PID helper could not write ns_last_pid (%s)", strings.TrimSpace(line))
 	}
-	return nil
+	if last, err = strconv.Atoi(n); err != nil {
+		return 0, fmt.Errorf("PID helper: last PID %q: %w", n, err)
+	}
+	return last, nil
 }

@@ -20,8 +20,9 @@ import (
 // SpawnOptions are the options of Spawn.
 type SpawnOptions struct {
 	// SetLastPid makes nsPid the next PID of the sandbox's pid namespace (it writes
-	// nsPid-1 to that namespace's ns_last_pid).
-	SetLastPid func(nsPid int) error
+	// nsPid-1 to that namespace's ns_last_pid) and returns the last PID the namespace
+	// gave before.
+	SetLastPid func(nsPid int) (last int, err error)
 	// Reverted, if set, is called once every process is forked and before the first
 	// fixup, which needs the root as at the checkpoint: it waits for the caller's revert
 	// of the root, run meanwhile. Its error aborts the spawn.
@@ -30,8 +31,11 @@ type SpawnOptions struct {
 	// "fixups", "park").
 	Phase func(name string, d time.Duration)
 
-	// resume moves the next PID back past every PID in use (set by Spawn).
+	// resume moves the next PID back past every PID given in the namespace (set by
+	// Spawn).
 	resume func() error
+	// seen records the namespace's last PID before the spawn (set by Spawn).
+	seen func(last int)
 }
 
 // Spawn makes every zygote of r fork the process it copies, with that process's PID,
@@ -60,13 +64,24 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 		// Each fork takes the PID it asks for, and the next PID moves at once past those
 		// of every process to fork: otherwise the next PID after the first process's
 		// would be the second's, and any process starting meanwhile in the namespace
-		// (CRIU, dumping a zygote from inside in the background) would take it. (PIDs
-		// in use past that one are skipped.)
-		last := 0
+		// (CRIU, dumping a zygote from inside in the background) would take it. It
+		// moves past the last PID the namespace gave before the spawn, too: PIDs given
+		// since the checkpoint may belong to the processes of other checkpoints, which
+		// their rollbacks need free (a zygote forked later would take one and keep it).
+		// PIDs in use past that one are skipped.
+		last, before := 0, 0
 		for _, p := range r.Procs {
 			last = max(last, p.NSPid)
 		}
-		o.resume = func() error { return o.SetLastPid(last + 1) }
+		o.seen = func(l int) {
+			if before == 0 {
+				before = l
+			}
+		}
+		o.resume = func() error {
+			_, err := o.SetLastPid(max(last, before) + 1)
+			return err
+		}
 		t = time.Now()
 		for i := range r.Procs {
 			pid, err := spawnOne(zs[i], &r.Procs[i], o)
@@ -263,10 +278,11 @@ func forkAs(z *ptrace.Tracee, nsPid int, o SpawnOptions) (*ptrace.Tracee, error)
 		// it at nsPid, for the next thread of init to take.
 		var c *ptrace.Tracee
 		err := ptrace.Window(func() error {
-			if err := o.SetLastPid(nsPid); err != nil {
+			l, err := o.SetLastPid(nsPid)
+			if err != nil {
 				return fmt.Errorf("next PID %d: %w", nsPid, err)
 			}
-			var err error
+			o.seen(l)
 			c, err = z.Fork(unix.CLONE_PARENT)
 			if rerr := o.resume(); err == nil && rerr != nil {
 				c.Kill()
