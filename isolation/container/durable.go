@@ -14,7 +14,6 @@ import (
 
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/criu/fixup"
-	"github.com/cairn-sandbox/cairn/internal/initctl"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
@@ -273,10 +272,7 @@ func (b *Backend) restoreInto(ctx context.Context, sb *isolation.Sandbox, dir st
 		err = b.res.setPidBase(sb.Init)
 	}
 	if err == nil {
-		var resp initctl.Response
-		if resp, err = b.call(ctx, sb, initctl.Request{Op: initctl.OpReload}); err == nil {
-			err = resp.Err(sb.ID, "reload processes")
-		}
+		err = b.reload(ctx, sb)
 	}
 	if err != nil {
 		return fail(err)

@@ -161,11 +161,15 @@ func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox,
 	// A durable copy of an earlier checkpoint (CRIU inside, at nice 19) is held meanwhile:
 	// on two cores its CPU and writes stretched the tail of the checkpoints it overlapped
 	// (W1, A/B in one build: p99 22.5-26.5 ms running, 15.2-19.4 held).
+	t := time.Now()
 	release, err := holdCRIU(sb.CgroupName())
 	if err != nil {
 		return err
 	}
 	defer release()
+	if hooks.Phase != nil {
+		hooks.Phase("hold_criu", time.Since(t))
+	}
 	_, err = zygote.Capture(ctx, b.res.tr(), zygote.CaptureOptions{
 		Init: sb.Init,
 		Procs: func() ([]int, error) {
@@ -213,6 +217,7 @@ func (b *Backend) DropResident(dir string) error {
 
 // RollbackResident implements isolation.Resident.
 func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, dir string, revert func(context.Context) error) error {
+	t := time.Now()
 	defer b.res.dirLock(dir)()
 	rec, ok, err := zygote.Read(dir)
 	if err != nil {
@@ -225,18 +230,21 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	if err != nil {
 		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
 	}
-	t := time.Now()
+	phase.Since(ctx, "record", t)
+	t = time.Now()
 	adoptStrays(rec, sb)
 	if err := killAllButInit(ctx, sb); err != nil {
 		return err
 	}
 	phase.Since(ctx, "kill", t)
 	// A background CRIU (a durable copy, dumping from inside) writes in the root too.
+	t = time.Now()
 	release, err := holdCRIU(sb.CgroupName())
 	if err != nil {
 		return err
 	}
 	defer release()
+	phase.Since(ctx, "hold_criu", t)
 	// The root is reverted on another thread from here on, the longest part of a
 	// rollback: it may begin once the processes are reaped (init has written their exit
 	// records) and CRIU is held, as nothing else writes there until the reload, and it
@@ -259,36 +267,64 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		return err
 	}
 	phase.Since(ctx, "freeze_init", t)
+	// Once every process is forked, init runs again (its threads may take PIDs now)
+	// and learns them, beside the fixups; they are still held frozen in their zygotes'
+	// cgroups, and init must know them before they run: one that exited at once would
+	// otherwise be reaped unknown, its exit unrecorded.
+	var reloaded func() error
+	forked := func() error {
+		if err := waitRevert(); err != nil {
+			return err
+		}
+		t := time.Now()
+		if err := thaw(sb.CgroupName()); err != nil {
+			return err
+		}
+		phase.Since(ctx, "thaw_init", t)
+		done := make(chan error, 1)
+		go func() {
+			t := time.Now()
+			err := b.reload(ctx, sb)
+			phase.Since(ctx, "reload", t)
+			done <- err
+		}()
+		reloaded = sync.OnceValue(func() error { return <-done })
+		return nil
+	}
 	t = time.Now()
-	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: waitRevert, Phase: prefixed(ctx, "spawn_")})
+	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: forked, Phase: prefixed(ctx, "spawn_")})
 	if rerr := waitRevert(); err == nil {
 		err = rerr
 	}
+	if reloaded != nil {
+		if rerr := reloaded(); err == nil {
+			err = rerr
+		}
+	}
 	phase.Since(ctx, "spawn", t)
 	release()
-	t = time.Now()
-	if terr := thaw(sb.CgroupName()); err == nil {
-		err = terr
+	if reloaded == nil {
+		// The spawn failed before its processes were all forked: init is still frozen.
+		if terr := thaw(sb.CgroupName()); err == nil {
+			err = terr
+		}
 	}
-	phase.Since(ctx, "thaw_init", t)
 	if err != nil {
 		zygote.Discard(pids)
 		return err
 	}
-	// Init learns them while they are still frozen (one that exited at once would
-	// otherwise be reaped unknown, its exit unrecorded), then they run.
-	t = time.Now()
-	if resp, err := b.call(ctx, sb, initctl.Request{Op: initctl.OpReload}); err != nil {
-		zygote.Discard(pids)
-		return err
-	} else if err := resp.Err(sb.ID, "reload processes"); err != nil {
-		zygote.Discard(pids)
-		return err
-	}
-	phase.Since(ctx, "reload", t)
 	t = time.Now()
 	defer phase.Since(ctx, "release", t)
 	return zygote.Release(pids, filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"))
+}
+
+// reload makes sb's init learn its processes again from its root (/.cairn/proc).
+func (b *Backend) reload(ctx context.Context, sb *isolation.Sandbox) error {
+	resp, err := b.call(ctx, sb, initctl.Request{Op: initctl.OpReload})
+	if err != nil {
+		return err
+	}
+	return resp.Err(sb.ID, "reload processes")
 }
 
 // killAndRevert begins a rollback in place by images: it kills every process of sb but

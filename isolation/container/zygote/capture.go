@@ -56,6 +56,7 @@ func (o *CaptureOptions) report(name string, start time.Time) {
 // zygotes made so far are killed. An *Ineligible error says why the sandbox cannot be
 // captured this way (the caller falls back to CRIU).
 func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record, error) {
+	t0 := time.Now()
 	kids, err := o.list()
 	if err != nil {
 		return nil, err
@@ -65,6 +66,7 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 			return nil, err
 		}
 	}
+	o.report("check", t0)
 	rec := &Record{Version: Version, Init: o.Init}
 	err = tr.Do(func() error {
 		t := time.Now()
@@ -134,9 +136,11 @@ func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
 		rec.Procs = append(rec.Procs, Proc{Cgroup: zp.Cgroup})
 	}
 	o.report("zygote_scan", t)
+	tw := time.Now()
 	if err := rec.Write(o.RecordDir); err != nil {
 		return err
 	}
+	o.report("zygote_record", tw)
 	t1 := time.Now()
 	for i, p := range procs {
 		if err := capture(p, zps[i]); err != nil {
@@ -145,9 +149,11 @@ func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
 		rec.Procs[i] = *zps[i]
 	}
 	o.report("zygote_fork", t1)
+	tw = time.Now()
 	if err := rec.Write(o.RecordDir); err != nil {
 		return err
 	}
+	o.report("zygote_record_final", tw)
 	o.report("zygotes", t)
 	return nil
 }
