@@ -1,7 +1,9 @@
 package incremental
 
 import (
+	"bytes"
 	"context"
+	cryptoRand "crypto/rand"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -154,4 +156,84 @@ func TestShareCrash(t *testing.T) {
 		t.Fatalf("Share of a shared directory: %+v, %v; want %+v without work", again, err, res)
 	}
 	restore(t, criuPath, tr, d2, s2)
+}
+
+// TestPackCompresses writes a pages file's own pages as Share does, single pages between
+// holes (where shared pages would be cloned): in place, btrfs cannot compress them; through
+// a pack they end up compressed, also after random bytes (which btrfs does not
+// compress, and which, in one range written back with the text, would keep it from
+// compressing the text: one pack file for all fails here). The pages read back the
+// same either way.
+func TestPackCompresses(t *testing.T) {
+	dir := btrfsDir(t)
+	const pages = 512
+	text := make([]byte, pages*pageSize)
+	for i := range text {
+		text[i] = "0123456789abcdef"[(i*7+i/pageSize)%16]
+	}
+	random := make([]byte, 128<<10)
+	if _, err := io.ReadFull(cryptoRand.Reader, random); err != nil {
+		t.Fatal(err)
+	}
+	write := func(name string, packed bool) (int64, []byte) {
+		t.Helper()
+		f, err := os.OpenFile(filepath.Join(dir, name), os.O_CREATE|os.O_RDWR, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		var w pageWriter = ownWriter(f)
+		if packed {
+			k, err := newPack(dir, f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer k.close()
+			w = k
+		} else {
+			unix.Fsetxattr(int(f.Fd()), "btrfs.compression", []byte("zstd"), 0)
+		}
+		before := used(t, dir)
+		// Random bytes first, then every other page of text.
+		want := make([]byte, (len(random)/pageSize+2*pages)*pageSize)
+		copy(want, random)
+		if err := w.writeAt(random, 0); err != nil {
+			t.Fatal(err)
+		}
+		for i := range pages {
+			off := int64(len(random) + 2*i*pageSize)
+			page := text[i*pageSize : (i+1)*pageSize]
+			copy(want[off:], page)
+			if err := w.writeAt(page, off); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := w.flush(); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.Truncate(int64(len(want))); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(f.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("%s: the pages read back differ from those written", name)
+		}
+		return used(t, dir) - before, got
+	}
+	inPlace, _ := write("in-place", false)
+	packed, _ := write("packed", true)
+	own := int64(len(random) + pages*pageSize)
+	t.Logf("%d bytes of own pages (%d random): %d bytes on disk in place, %d packed", own, len(random), inPlace, packed)
+	if inPlace < own {
+		t.Fatalf("in place, %d bytes of single pages took %d on disk: compressed after all?", own, inPlace)
+	}
+	if packed > int64(len(random))+pages*pageSize/2 {
+		t.Fatalf("packed, %d bytes of own pages took %d on disk; want the text compressed to under half", own, packed)
+	}
 }
