@@ -143,7 +143,7 @@ func (b *Backend) Stop(ctx context.Context, sb *isolation.Sandbox) error {
 		unix.Kill(sb.Init.Pid, unix.SIGKILL)
 	}
 	dropAllZygotes(sb.CgroupName())
-	os.Remove(filepath.Join(cgroupRoot, "freezer", "cairn-criu", sb.CgroupName()))
+	os.Remove(criuDir(sb.CgroupName()))
 	for _, p := range cgroupPids(sb.CgroupName()) {
 		unix.Kill(p, unix.SIGKILL)
 	}
@@ -167,7 +167,7 @@ func (b *Backend) Running(sb *isolation.Sandbox) bool {
 	}
 	if initDying(sb.Init) {
 		dropAllZygotes(sb.CgroupName())
-		os.Remove(filepath.Join(cgroupRoot, "freezer", "cairn-criu", sb.CgroupName()))
+		os.Remove(criuDir(sb.CgroupName()))
 		return false
 	}
 	return true

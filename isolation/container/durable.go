@@ -100,13 +100,16 @@ func (b *Backend) MakeDurable(ctx context.Context, sb *isolation.Sandbox, dir st
 // rollback, which sets that next PID to the one each process must get again, freezes
 // it for the few forks it makes (holdCRIU).
 func criuCgroup(cgroup string) (string, error) {
-	dir := filepath.Join(cgroupRoot, "freezer", "cairn-criu", cgroup)
+	dir := criuDir(cgroup)
 	return dir, os.MkdirAll(dir, 0o755)
 }
 
+// criuDir is the freezer cgroup directory of a sandbox's background CRIU.
+func criuDir(cgroup string) string { return filepath.Join(cgroupRoot, "freezer", "cairn-criu", cgroup) }
+
 // holdCRIU freezes the sandbox's background CRIU, if one runs, and returns the thaw.
 func holdCRIU(cgroup string) (func(), error) {
-	dir := filepath.Join(cgroupRoot, "freezer", "cairn-criu", cgroup)
+	dir := criuDir(cgroup)
 	if len(freezer.Procs(dir)) == 0 {
 		return func() {}, nil
 	}

@@ -2,6 +2,7 @@ package container
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"time"
 
@@ -25,8 +26,20 @@ const recoverWait = 30 * time.Second
 // first waits until every process tracing a task of the sandbox from outside it has
 // exited (a debugger inside the sandbox is the sandbox's business), then thaws until the
 // state holds for 100 ms. A sandbox with nothing to undo costs a read of its tasks.
+//
+// A resident checkpoint or rollback that died also left frozen the sandbox's background
+// CRIU (a durable copy dumping a zygote from inside), which it held (holdCRIU) so that
+// nothing took a PID or wrote in the root meanwhile: that CRIU never ended, and whatever
+// waited for its durable copy (a rollback to that checkpoint) waited for good. Recover
+// runs under the sandbox's lock, which every holder keeps until it lets CRIU go, so a
+// frozen CRIU found then has no holder left: it is thawed.
 func (b *Backend) Recover(ctx context.Context, sb *isolation.Sandbox) error {
 	cg := sb.CgroupName()
+	if crius := criuDir(cg); freezer.State(crius) == freezer.Frozen {
+		if err := freezer.Set(crius, freezer.Thawed); err != nil {
+			return fmt.Errorf("sandbox %s: let its background CRIU go: %w", sb.ID, err)
+		}
+	}
 	dir := ctrlDir("freezer", cg)
 	deadline := time.Now().Add(recoverWait)
 	// until polls every 10 ms until done; holder names what it waits for.

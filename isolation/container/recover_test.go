@@ -98,3 +98,30 @@ func TestRecoverWaitsForCRIU(t *testing.T) {
 		t.Fatalf("Recover of a thawed sandbox: %v, state %s", err, freezer.State(dir))
 	}
 }
+
+// TestRecoverReleasesHeldCRIU plays a resident checkpoint that died while it held the
+// sandbox's background CRIU (frozen in its own cgroup, holdCRIU): Recover lets it go.
+// Left frozen, the durable copy it was writing never ended, and a rollback to that
+// checkpoint waited for it for good.
+func TestRecoverReleasesHeldCRIU(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (cgroups)")
+	}
+	sb := &isolation.Sandbox{ID: "recover-criu-test", Cgroup: "recover-criu-test-" + strconv.Itoa(os.Getpid())}
+	dir := criuDir(sb.CgroupName())
+	freezertest.Sleeper(t, dir)
+	release, err := holdCRIU(sb.CgroupName())
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = release // its holder died
+	if got := freezer.State(dir); got != freezer.Frozen {
+		t.Fatalf("held CRIU: %s, want %s", got, freezer.Frozen)
+	}
+	if err := (&Backend{}).Recover(context.Background(), sb); err != nil {
+		t.Fatalf("Recover: %v", err)
+	}
+	if got := freezer.State(dir); got != freezer.Thawed {
+		t.Fatalf("after Recover the background CRIU is %s, want %s", got, freezer.Thawed)
+	}
+}
