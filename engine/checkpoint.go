@@ -515,6 +515,7 @@ func (e *Engine) forkOne(ctx context.Context, b isolation.Backend, src *model.Sa
 		return nil, fmt.Errorf("fork of %s: %w", ck.ID, err)
 	}
 	sb.Init = isb.Init
+	crashPoint("fork-restored")
 	if err := e.db.PutSandbox(ctx, sb); err != nil {
 		b.Stop(ctx, isb)
 		e.pool.Delete(ctx, sb.Root)

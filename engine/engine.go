@@ -101,7 +101,11 @@ type Engine struct {
 
 	// bgWG counts background work (standby preparation, cleanup); Close waits for it.
 	bgWG sync.WaitGroup
-	bgMu sync.Mutex
+	// closing is closed when Close begins: background work that waits on something
+	// that may never come (another engine's lock) gives up then.
+	closing   chan struct{}
+	closeOnce sync.Once
+	bgMu      sync.Mutex
 	// bgStats counts background work; protected by bgMu.
 	bgStats Stats
 	// pending counts standbys being prepared, by checkpoint; protected by bgMu.
@@ -180,7 +184,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}, prepSem: make(chan struct{}, cfg.StandbyRestores),
+	e := &Engine{cfg: cfg, pool: pool, btrfs: pool, db: db, backends: map[string]isolation.Backend{}, pending: map[string]int{}, closing: make(chan struct{}), prepSem: make(chan struct{}, cfg.StandbyRestores),
 		images: &imagesGuard{path: filepath.Join(cfg.DataDir, "images.lock")}, imgRoot: imagesDir}
 	if cfg.ImagePool != "none" {
 		image := cfg.ImagePool
@@ -215,6 +219,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 
 // Close waits for background work and releases the engine. Sandboxes keep running.
 func (e *Engine) Close() error {
+	e.closeOnce.Do(func() { close(e.closing) })
 	e.bgWG.Wait()
 	for _, b := range e.backends {
 		if c, ok := b.(io.Closer); ok {

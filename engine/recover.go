@@ -5,8 +5,10 @@ import (
 	"errors"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/isolation"
@@ -27,17 +29,19 @@ func (e *Engine) recover(ctx context.Context) error {
 		return err
 	}
 	for _, sb := range sbs {
-		if sb.State == model.StateRunning {
-			if unlock, ok := e.tryLock(sb.ID); ok {
-				// One sandbox left stuck does not keep the engine from starting: the next
-				// start tries again.
-				if r, ok := e.backends[sb.Isolation].(Recoverer); ok {
-					if err := r.Recover(ctx, e.isb(sb)); err != nil {
-						e.cfg.Logf("recover sandbox %s: %v", sb.ID, err)
-					}
-				}
-				unlock()
+		r, ok := e.backends[sb.Isolation].(Recoverer)
+		if sb.State != model.StateRunning || !ok {
+			continue
+		}
+		if unlock, ok := e.tryLock(sb.ID); ok {
+			// One sandbox left stuck does not keep the engine from starting: the next
+			// start tries again.
+			if err := r.Recover(ctx, e.isb(sb)); err != nil {
+				e.cfg.Logf("recover sandbox %s: %v", sb.ID, err)
 			}
+			unlock()
+		} else {
+			e.recoverLater(r, sb.ID)
 		}
 	}
 	e.recoverStandbys(ctx)
@@ -46,6 +50,44 @@ func (e *Engine) recover(ctx context.Context) error {
 	e.recoverImages(ctx)
 	e.recoverResidents(ctx)
 	return err
+}
+
+// recoverLockWait bounds how long recoverLater waits for a sandbox's lock.
+const recoverLockWait = time.Minute
+
+// recoverLater recovers sandbox id, whose lock was taken when the engine started, once
+// it is free. Another engine working on it holds it, and undoes its own freeze; but so
+// may, for a moment, a process a dead engine started (between its fork and its exec, a
+// child holds every descriptor of its parent, the lock's included) while the sandbox
+// that engine froze waits for a recovery. Skipping it left it frozen until the next
+// start (conformance: CrashMidCheckpoint/checkpoint-stopped, 2 runs in 18).
+func (e *Engine) recoverLater(r Recoverer, id string) {
+	e.background(func(ctx context.Context) {
+		ctx, cancel := context.WithTimeout(ctx, recoverLockWait)
+		defer cancel()
+		go func() {
+			select {
+			case <-e.closing:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		unlock, err := e.lock(ctx, id, true)
+		if err != nil {
+			if !errors.Is(err, context.Canceled) {
+				e.cfg.Logf("recover sandbox %s: its lock stayed taken: %v", id, err)
+			}
+			return
+		}
+		defer unlock()
+		sb, err := e.Get(ctx, id)
+		if err != nil || sb.State != model.StateRunning {
+			return
+		}
+		if err := r.Recover(ctx, e.isb(sb)); err != nil {
+			e.cfg.Logf("recover sandbox %s: %v", id, err)
+		}
+	})
 }
 
 // recoverLost deletes the checkpoints whose filesystem is gone: a crash of the machine
@@ -78,8 +120,9 @@ func (e *Engine) recoverLost(ctx context.Context) {
 
 // Recoverer is an optional ability of an isolation backend: undoing what a checkpoint
 // that died halfway left behind in a running sandbox (container: a frozen cgroup, and a
-// CRIU still dumping; gVisor: a paused sandbox). Recover is called under the sandbox's lock at engine start, so
-// it must cost nothing when there is nothing to undo.
+// CRIU still dumping; gVisor: a paused sandbox). Recover is called under the sandbox's
+// lock at engine start (or once the lock is free, if another held it then), so it must
+// cost nothing when there is nothing to undo.
 type Recoverer interface {
 	Recover(ctx context.Context, sb *isolation.Sandbox) error
 }
@@ -168,6 +211,7 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 		}
 		if unlock, ok := e.tryLock(d.Name()); ok {
 			if !dryRun {
+				e.stopOrphan(ctx, d.Name(), name)
 				e.pool.Delete(ctx, name)
 			}
 			removed = append(removed, name)
@@ -184,6 +228,7 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 			// Re-check under the lock: a rollback may have just switched to it.
 			if sb, err := e.db.Sandbox(ctx, owner(d.Name())); err != nil || sb.Root != name {
 				if !dryRun {
+					e.stopOrphan(ctx, owner(d.Name()), name)
 					e.pool.Delete(ctx, name)
 				}
 				removed = append(removed, name)
@@ -192,6 +237,17 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 		}
 	}
 	return removed, nil
+}
+
+// stopOrphan ends the tree, if any, that runs on root, a root no record names: a
+// standby or a fork whose preparation died after its restore and before its row (each
+// tree's cgroups are named after its root). Left alone, it ran (a fork) or stayed
+// frozen (a standby) for good, holding its memory. Preconditions: the caller holds the
+// lock of id, the root's owner.
+func (e *Engine) stopOrphan(ctx context.Context, id, root string) {
+	for _, b := range e.backends {
+		b.Stop(ctx, &isolation.Sandbox{ID: id, Root: e.pool.Path(root), Cgroup: path.Base(root)})
+	}
 }
 
 // checkpointInFlight reports whether the lock of any of sandboxes is held: then an

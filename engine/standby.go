@@ -212,6 +212,7 @@ func (e *Engine) prepareStandby(ctx context.Context, ck *model.Checkpoint) error
 		}
 		return fmt.Errorf("standby of %s: %w", ck.ID, err)
 	}
+	crashPoint("standby-restored")
 	// The cache is bounded by the memory standbys hold; the images' size on disk says
 	// little about it once they are incremental.
 	bytes := ck.ImageBytes
