@@ -35,6 +35,9 @@ type Harness struct {
 	// every rollback to a resident checkpoint of the same sandbox must then take that
 	// path, and the crash tests die at its points.
 	Resident bool
+	// Diagnose, if set, describes a sandbox's processes as the backend sees them
+	// (frozen? stopped? traced?), for the message of a test that found it unresponsive.
+	Diagnose func(id string) string
 }
 
 // Run runs the whole suite.
@@ -154,7 +157,11 @@ func ask(t *testing.T, h Harness, id, p, code string) string {
 		time.Sleep(5 * time.Millisecond)
 	}
 	errb, _, _ := h.Engine.Output(ctx, id, p, "stderr", 0)
-	t.Fatalf("REPL did not answer %q; stdout so far %q; stderr %q", code, got.String(), tail(string(errb), 500))
+	diag := ""
+	if h.Diagnose != nil {
+		diag = "; " + h.Diagnose(id)
+	}
+	t.Fatalf("REPL did not answer %q; stdout so far %q; stderr %q%s", code, got.String(), tail(string(errb), 500), diag)
 	return ""
 }
 

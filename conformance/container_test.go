@@ -2,9 +2,12 @@ package conformance
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/cairn-sandbox/cairn/engine"
@@ -43,6 +46,7 @@ func harnessWith(t *testing.T, isolation string, configure func(*engine.Config))
 		Reopen: func() (*engine.Engine, error) {
 			return engine.Open(context.Background(), engine.Config{DataDir: testenv.DataDir(), InitBinary: initBin})
 		},
+		Diagnose: func(id string) string { return diagnose(e, id) },
 		Crash: func(t *testing.T, sandbox, point string) {
 			cmd := exec.Command(os.Args[0], "-test.run=^$")
 			cmd.Env = append(os.Environ(), CrashEnv+"="+sandbox+":"+point, "CAIRN_INIT="+initBin,
@@ -76,4 +80,40 @@ func TestContainerWarm(t *testing.T) {
 	h := harnessWith(t, "container", func(c *engine.Config) { c.Residents = -1 })
 	h.Warm = true
 	Run(t, h)
+}
+
+// diagnose describes a container sandbox's processes: its freezer cgroup's state, and
+// each task's state and tracer.
+func diagnose(e *engine.Engine, id string) string {
+	sb, err := e.Get(context.Background(), id)
+	if err != nil {
+		return err.Error()
+	}
+	cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", sb.Init.Pid))
+	if err != nil {
+		return fmt.Sprintf("init %d: %v", sb.Init.Pid, err)
+	}
+	var dir string
+	for _, l := range strings.Split(string(cg), "\n") {
+		if f := strings.SplitN(l, ":", 3); len(f) == 3 && f[1] == "freezer" {
+			dir = filepath.Join("/sys/fs/cgroup/freezer", f[2])
+		}
+	}
+	state, _ := os.ReadFile(filepath.Join(dir, "freezer.state"))
+	tasks, _ := os.ReadFile(filepath.Join(dir, "tasks"))
+	var b strings.Builder
+	fmt.Fprintf(&b, "freezer %s %s; tasks:", dir, strings.TrimSpace(string(state)))
+	for _, tid := range strings.Fields(string(tasks)) {
+		st, _ := os.ReadFile("/proc/" + tid + "/status")
+		var fields []string
+		for _, l := range strings.Split(string(st), "\n") {
+			for _, k := range []string{"Name:", "State:", "TracerPid:", "SigPnd:", "ShdPnd:", "SigBlk:"} {
+				if strings.HasPrefix(l, k) {
+					fields = append(fields, strings.Join(strings.Fields(l), " "))
+				}
+			}
+		}
+		fmt.Fprintf(&b, " [%s %s]", tid, strings.Join(fields, ", "))
+	}
+	return b.String()
 }
