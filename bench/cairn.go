@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path"
 	"strings"
 	"sync"
@@ -40,6 +41,22 @@ func poolUsed(root string) (int64, error) {
 	}
 	return int64(st.Blocks-st.Bfree) * st.Bsize, nil
 }
+
+// settleDeletions waits, at most settleWait, until btrfs has freed the space of the
+// volumes deleted on root's filesystem so far (`btrfs subvolume sync`). A deleted
+// volume's extents are freed later, by the kernel's cleaner: the deletions that end one
+// measurement (cairn's clean-up, a baseline's rollbacks) would otherwise shrink the
+// next one's used-bytes deltas, down to below zero (a runsc baseline once read -311
+// MiB a checkpoint). Off the clock, before a baseline's first step.
+func settleDeletions(ctx context.Context, root string) {
+	ctx, cancel := context.WithTimeout(ctx, settleWait)
+	defer cancel()
+	exec.CommandContext(ctx, "btrfs", "subvolume", "sync", root).Run() // best effort
+}
+
+// settleWait bounds settleDeletions: a deleted volume still in use is freed only once
+// its last user goes.
+const settleWait = 20 * time.Second
 
 // growth runs f and returns how many bytes the filesystem at root gained meanwhile.
 func growth(root string, f func() error) (float64, error) {

@@ -69,6 +69,7 @@ func (b *runner) copytreeBaseline(ctx context.Context, s *scratch, n int, br *Ba
 		Cgroup: path.Base(sb.Root)}
 	var cks []copytreeCheckpoint
 	var samples, storage, images []float64
+	settleDeletions(ctx, s.root)
 	for k := 0; k < n; k++ {
 		if err := b.w.step(ctx); err != nil {
 			return err

@@ -392,6 +392,7 @@ func (b *runner) ociBaseline(ctx context.Context, s *scratch, rt ociRuntime, n i
 	if err := c.cur.repl.setupW1(ctx, dbPath); err != nil {
 		return err
 	}
+	settleDeletions(ctx, c.s.root)
 	cks, err := c.measureCheckpoints(ctx, n, br)
 	if err != nil {
 		return err
