@@ -5,13 +5,13 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/internal/testenv"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 )
 
 func TestMain(m *testing.M) {
@@ -89,22 +89,14 @@ func diagnose(e *engine.Engine, id string) string {
 	if err != nil {
 		return err.Error()
 	}
-	cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", sb.Init.Pid))
-	if err != nil {
-		return fmt.Sprintf("init %d: %v", sb.Init.Pid, err)
+	dir := freezer.Of(sb.Init.Pid)
+	if dir == "" {
+		return fmt.Sprintf("init %d has no freezer cgroup (gone?)", sb.Init.Pid)
 	}
-	var dir string
-	for _, l := range strings.Split(string(cg), "\n") {
-		if f := strings.SplitN(l, ":", 3); len(f) == 3 && f[1] == "freezer" {
-			dir = filepath.Join("/sys/fs/cgroup/freezer", f[2])
-		}
-	}
-	state, _ := os.ReadFile(filepath.Join(dir, "freezer.state"))
-	tasks, _ := os.ReadFile(filepath.Join(dir, "tasks"))
 	var b strings.Builder
-	fmt.Fprintf(&b, "freezer %s %s; tasks:", dir, strings.TrimSpace(string(state)))
-	for _, tid := range strings.Fields(string(tasks)) {
-		st, _ := os.ReadFile("/proc/" + tid + "/status")
+	fmt.Fprintf(&b, "freezer %s %s; tasks:", dir, freezer.State(dir))
+	for _, tid := range freezer.Tasks(dir) {
+		st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", tid))
 		var fields []string
 		for _, l := range strings.Split(string(st), "\n") {
 			for _, k := range []string{"Name:", "State:", "TracerPid:", "SigPnd:", "ShdPnd:", "SigBlk:"} {
@@ -113,7 +105,7 @@ func diagnose(e *engine.Engine, id string) string {
 				}
 			}
 		}
-		fmt.Fprintf(&b, " [%s %s]", tid, strings.Join(fields, ", "))
+		fmt.Fprintf(&b, " [%d %s]", tid, strings.Join(fields, ", "))
 	}
 	return b.String()
 }

@@ -2,7 +2,6 @@ package engine_test
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/internal/testenv"
+	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
 )
 
 // TestRecoverBusySandbox leaves a sandbox frozen, as a checkpoint that died after its
@@ -26,14 +26,14 @@ func TestRecoverBusySandbox(t *testing.T) {
 	ctx := context.Background()
 	sb, r := newREPL(t, e, true)
 	r.ask("x = 41")
-	state := freezerOf(t, sb.Init.Pid)
-	if err := os.WriteFile(state, []byte("FROZEN"), 0); err != nil {
+	dir := freezer.Of(sb.Init.Pid)
+	if err := freezer.Write(dir, freezer.Frozen); err != nil {
 		t.Fatal(err)
 	}
 	thawed := false
 	defer func() {
 		if !thawed {
-			os.WriteFile(state, []byte("THAWED"), 0) // for the sandbox's removal
+			freezer.Write(dir, freezer.Thawed) // for the sandbox's removal
 		}
 	}()
 	lock, err := os.OpenFile(filepath.Join(testenv.DataDir(), "locks", sb.ID), os.O_RDWR, 0)
@@ -50,44 +50,19 @@ func TestRecoverBusySandbox(t *testing.T) {
 	}
 	defer e2.Close()
 	time.Sleep(200 * time.Millisecond)
-	if got := readState(t, state); got != "FROZEN" {
+	if got := freezer.State(dir); got != freezer.Frozen {
 		t.Fatalf("with its lock held by another, the sandbox was thawed (%s) behind the holder's back", got)
 	}
 	unix.Flock(int(lock.Fd()), unix.LOCK_UN)
-	for deadline := time.Now().Add(10 * time.Second); readState(t, state) != "THAWED"; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); freezer.State(dir) != freezer.Thawed; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("the sandbox is still %s 10 s after its lock was released", readState(t, state))
+			t.Fatalf("the sandbox is still %s 10 s after its lock was released", freezer.State(dir))
 		}
 	}
 	thawed = true
 	if got := r.ask("print(x + 1)"); got != "42" {
 		t.Fatalf("REPL after the recovery: %q, want 42", got)
 	}
-}
-
-// freezerOf returns the freezer.state file of process pid's freezer cgroup.
-func freezerOf(t *testing.T, pid int) string {
-	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if f := strings.SplitN(l, ":", 3); len(f) == 3 && f[1] == "freezer" {
-			return filepath.Join("/sys/fs/cgroup/freezer", f[2], "freezer.state")
-		}
-	}
-	t.Fatalf("process %d has no freezer cgroup", pid)
-	return ""
-}
-
-func readState(t *testing.T, file string) string {
-	t.Helper()
-	b, err := os.ReadFile(file)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return strings.TrimSpace(string(b))
 }
 
 // orphanCrashEnv names, in a TestRecoverOrphanTrees child, the checkpoint to fork or to
@@ -127,7 +102,7 @@ func TestRecoverOrphanTrees(t *testing.T) {
 					orphans = append(orphans, cg)
 				}
 			}
-			if len(orphans) != 1 || len(cgroupTasks(t, orphans[0])) == 0 {
+			if len(orphans) != 1 || len(cgroupTasks(orphans[0])) == 0 {
 				t.Fatalf("new cgroups with tasks after the crash: %v; want the orphan tree's", orphans)
 			}
 			e2, err := engine.Open(ctx, testenv.Config(t))
@@ -135,7 +110,7 @@ func TestRecoverOrphanTrees(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer e2.Close()
-			if tasks := cgroupTasks(t, orphans[0]); len(tasks) > 0 {
+			if tasks := cgroupTasks(orphans[0]); len(tasks) > 0 {
 				t.Fatalf("after recovery the orphan %s still runs processes %v", orphans[0], tasks)
 			}
 		})
@@ -167,7 +142,7 @@ func orphanCrashChild(t *testing.T, v string) {
 // cairnCgroups lists the sandboxes' freezer cgroups (cairn/<name>).
 func cairnCgroups(t *testing.T) map[string]bool {
 	t.Helper()
-	ents, err := os.ReadDir("/sys/fs/cgroup/freezer/cairn")
+	ents, err := os.ReadDir(filepath.Join(freezer.Root, "cairn"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,11 +156,4 @@ func cairnCgroups(t *testing.T) map[string]bool {
 }
 
 // cgroupTasks lists the tasks of the sandbox freezer cgroup cairn/<name> (none if gone).
-func cgroupTasks(t *testing.T, name string) []string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join("/sys/fs/cgroup/freezer/cairn", name, "tasks"))
-	if err != nil {
-		return nil
-	}
-	return strings.Fields(string(b))
-}
+func cgroupTasks(name string) []int { return freezer.Tasks(filepath.Join(freezer.Root, "cairn", name)) }

@@ -127,15 +127,11 @@ func shareTask(dir, parent, id string, opt ShareOptions, res *ShareResult) error
 	if err != nil {
 		return err
 	}
-	own := ownWriter(f)
-	if opt.Compress {
-		// Best effort: a filesystem without it writes them as they are.
-		if pk, err := newPack(dir, f); err == nil {
-			defer pk.close()
-			own = pk
-		} else {
-			unix.Fsetxattr(int(f.Fd()), "btrfs.compression", []byte("zstd"), 0)
-		}
+	own := &pack{dir: dir, dst: f}
+	defer own.close()
+	if opt.Compress && own.open() != nil {
+		// Best effort: a filesystem without it writes them in place, as they are.
+		unix.Fsetxattr(int(f.Fd()), "btrfs.compression", []byte("zstd"), 0)
 	}
 	shared, owned, err := rebuildPages(m, p, f, own)
 	if err == nil {
@@ -163,7 +159,7 @@ func shareTask(dir, parent, id string, opt ShareOptions, res *ShareResult) error
 
 // rebuildPages writes m's pages into f at their offsets: runs equal to p's logical
 // pages as clones of p's data, the others through w.
-func rebuildPages(m, p *taskMap, f *os.File, w pageWriter) (shared, own int64, err error) {
+func rebuildPages(m, p *taskMap, f *os.File, w *pack) (shared, own int64, err error) {
 	mine := make([]byte, chunk*pageSize)
 	theirs := make([]byte, chunk*pageSize)
 	for _, e := range m.entries {
@@ -228,26 +224,8 @@ func rebuildPages(m, p *taskMap, f *os.File, w pageWriter) (shared, own int64, e
 	return shared, own, nil
 }
 
-// A pageWriter puts a pages file's own pages (those not shared with the parent) at
-// their offsets; flush completes what it deferred.
-type pageWriter interface {
-	writeAt(b []byte, off int64) error
-	flush() error
-}
-
-// ownWriterFile writes the own pages in place.
-type ownWriterFile struct{ f *os.File }
-
-func ownWriter(f *os.File) pageWriter { return ownWriterFile{f} }
-
-func (w ownWriterFile) writeAt(b []byte, off int64) error {
-	_, err := w.f.WriteAt(b, off)
-	return err
-}
-
-func (ownWriterFile) flush() error { return nil }
-
-// A pack gathers a pages file's own pages back to back in compressed anonymous files
+// A pack puts a pages file's own pages (those not shared with the parent) at their
+// offsets: in place, or, once open, gathered back to back in compressed anonymous files
 // (O_TMPFILE: nothing is left if cairn dies) and then clones each run into place. In
 // place, the own pages are mostly runs of a page or two between shared ones, and btrfs
 // cannot compress an extent of one page (it must save a whole block); back to back they
@@ -260,7 +238,7 @@ func (ownWriterFile) flush() error { return nil }
 // extent up to that page.
 type pack struct {
 	dir    string
-	dst, f *os.File
+	dst, f *os.File // f: the pack file, nil when writing in place
 	size   int64
 	runs   []packRun
 }
@@ -270,11 +248,6 @@ const packChunk = 128 << 10
 
 // packRun is a run of own pages: n bytes at off in the pack go to dst in the pages file.
 type packRun struct{ off, dst, n int64 }
-
-func newPack(dir string, dst *os.File) (*pack, error) {
-	k := &pack{dir: dir, dst: dst}
-	return k, k.open()
-}
 
 // open starts a pack file.
 func (k *pack) open() error {
@@ -291,12 +264,16 @@ func (k *pack) open() error {
 }
 
 func (k *pack) writeAt(b []byte, dst int64) error {
+	if k.f == nil {
+		_, err := k.dst.WriteAt(b, dst)
+		return err
+	}
 	for len(b) > 0 {
 		if k.size == packChunk {
 			if err := k.flush(); err != nil {
 				return err
 			}
-			k.f.Close()
+			k.close()
 			if err := k.open(); err != nil {
 				return err
 			}
@@ -333,7 +310,12 @@ func (k *pack) flush() error {
 	return nil
 }
 
-func (k *pack) close() { k.f.Close() }
+func (k *pack) close() {
+	if k.f != nil {
+		k.f.Close()
+		k.f = nil
+	}
+}
 
 // cloneRange makes n bytes of dst at dstOff share src's data at srcOff.
 func cloneRange(dst, src *os.File, srcOff, dstOff, n int64) error {

@@ -182,14 +182,12 @@ func TestPackCompresses(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer f.Close()
-		var w pageWriter = ownWriter(f)
+		w := &pack{dir: dir, dst: f}
+		defer w.close()
 		if packed {
-			k, err := newPack(dir, f)
-			if err != nil {
+			if err := w.open(); err != nil {
 				t.Fatal(err)
 			}
-			defer k.close()
-			w = k
 		} else {
 			unix.Fsetxattr(int(f.Fd()), "btrfs.compression", []byte("zstd"), 0)
 		}

@@ -167,9 +167,7 @@ func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox,
 		return err
 	}
 	defer release()
-	if hooks.Phase != nil {
-		hooks.Phase("hold_criu", time.Since(t))
-	}
+	hooks.Report("hold_criu", t)
 	_, err = zygote.Capture(ctx, b.res.tr(), zygote.CaptureOptions{
 		Init: sb.Init,
 		Procs: func() ([]int, error) {
@@ -271,7 +269,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	// and learns them, beside the fixups; they are still held frozen in their zygotes'
 	// cgroups, and init must know them before they run: one that exited at once would
 	// otherwise be reaped unknown, its exit unrecorded.
-	var reloaded func() error
+	var reloaded chan error // init's reload, once started
 	forked := func() error {
 		if err := waitRevert(); err != nil {
 			return err
@@ -281,14 +279,13 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 			return err
 		}
 		phase.Since(ctx, "thaw_init", t)
-		done := make(chan error, 1)
+		reloaded = make(chan error, 1)
 		go func() {
 			t := time.Now()
 			err := b.reload(ctx, sb)
 			phase.Since(ctx, "reload", t)
-			done <- err
+			reloaded <- err
 		}()
-		reloaded = sync.OnceValue(func() error { return <-done })
 		return nil
 	}
 	t = time.Now()
@@ -297,7 +294,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		err = rerr
 	}
 	if reloaded != nil {
-		if rerr := reloaded(); err == nil {
+		if rerr := <-reloaded; err == nil {
 			err = rerr
 		}
 	}

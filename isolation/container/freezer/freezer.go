@@ -19,6 +19,21 @@ const (
 	Thawed = "THAWED"
 )
 
+// Root is the mount point of the freezer hierarchy.
+const Root = "/sys/fs/cgroup/freezer"
+
+// Of returns the freezer cgroup directory of process (or thread) pid, "" if it cannot be
+// read.
+func Of(pid int) string {
+	b, _ := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
+	for _, l := range strings.Split(string(b), "\n") {
+		if _, rel, ok := strings.Cut(l, ":freezer:"); ok {
+			return filepath.Join(Root, rel)
+		}
+	}
+	return ""
+}
+
 // timeout bounds how long Set and Wait wait for a state.
 const timeout = 10 * time.Second
 

@@ -34,8 +34,6 @@ type SpawnOptions struct {
 	// resume moves the next PID back past every PID given in the namespace (set by
 	// Spawn).
 	resume func() error
-	// seen records the namespace's last PID before the spawn (set by Spawn).
-	seen func(last int)
 }
 
 // Spawn makes every zygote of r fork the process it copies, with that process's PID,
@@ -73,13 +71,16 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 		for _, p := range r.Procs {
 			last = max(last, p.NSPid)
 		}
-		o.seen = func(l int) {
+		set := o.SetLastPid
+		o.SetLastPid = func(nsPid int) (int, error) {
+			l, err := set(nsPid)
 			if before == 0 {
-				before = l
+				before = l // the first setting's: the namespace's before the spawn
 			}
+			return l, err
 		}
 		o.resume = func() error {
-			_, err := o.SetLastPid(max(last, before) + 1)
+			_, err := set(max(last, before) + 1)
 			return err
 		}
 		t = time.Now()
@@ -134,12 +135,9 @@ func Release(pids []int, procs string) error {
 func Discard(pids []int) {
 	for _, pid := range pids {
 		unix.Kill(pid, unix.SIGKILL)
-		os.WriteFile(filepath.Join(freezerRoot, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0)
+		os.WriteFile(filepath.Join(freezer.Root, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0)
 	}
 }
-
-// freezerRoot is the root of the freezer hierarchy.
-var freezerRoot = "/sys/fs/cgroup/freezer"
 
 func report(phase func(string, time.Duration), name string, start time.Time) {
 	if phase != nil {
@@ -278,11 +276,10 @@ func forkAs(z *ptrace.Tracee, nsPid int, o SpawnOptions) (*ptrace.Tracee, error)
 		// it at nsPid, for the next thread of init to take.
 		var c *ptrace.Tracee
 		err := ptrace.Window(func() error {
-			l, err := o.SetLastPid(nsPid)
-			if err != nil {
+			if _, err := o.SetLastPid(nsPid); err != nil {
 				return fmt.Errorf("next PID %d: %w", nsPid, err)
 			}
-			o.seen(l)
+			var err error
 			c, err = z.Fork(unix.CLONE_PARENT)
 			if rerr := o.resume(); err == nil && rerr != nil {
 				c.Kill()
@@ -580,18 +577,11 @@ func holderOf(pid, nsPid int) string {
 				continue
 			}
 			comm, _ := os.ReadFile(procDir(tgid) + "/comm")
-			cg, _ := os.ReadFile(procDir(tid) + "/cgroup")
-			fz := ""
-			for _, l := range strings.Split(string(cg), "\n") {
-				if _, rest, ok := strings.Cut(l, ":freezer:"); ok {
-					fz = rest
-				}
-			}
 			what := "process"
 			if tid != tgid {
 				what = fmt.Sprintf("thread of process %d", tgid)
 			}
-			return fmt.Sprintf("held by %s %d (%s), freezer cgroup %s", what, tid, strings.TrimSpace(string(comm)), fz)
+			return fmt.Sprintf("held by %s %d (%s), freezer cgroup %s", what, tid, strings.TrimSpace(string(comm)), freezer.Of(tid))
 		}
 	}
 	return "holder not found: it has exited since"
