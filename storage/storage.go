@@ -86,6 +86,51 @@ type Reverter interface {
 	Revert(ctx context.Context, live, snapshot string) (RevertStats, error)
 }
 
+// PlannedReverter is implemented by Reverters that can work a Revert out ahead of time.
+// A Revert compares live with the snapshot, so it first takes a read-only snapshot of
+// live (a transaction commit of the filesystem: milliseconds). When live is known to
+// hold exactly the content of one of its earlier read-only snapshots, base, the
+// difference can be computed between base and the target instead, both read-only,
+// before live is even quiet (while a rollback kills its processes, say): what is left
+// for the critical path is applying it. Callers find it by type assertion on a Pool.
+type PlannedReverter interface {
+	Reverter
+
+	// Unchanged reports whether the writable volume live still holds exactly the
+	// content of base, a read-only snapshot taken of it: no name, attribute or data of
+	// live has changed since, including data written but not yet written back. false
+	// means it may have: a change was seen, or the pool cannot tell (base is not a
+	// snapshot of live, or the filesystem holds dirty data of any volume). Call it while
+	// nothing writes to live; a change made during the call may or may not be seen.
+	Unchanged(live, base string) (bool, error)
+
+	// PlanRevert computes the difference that turns the read-only volume base into the
+	// read-only volume snapshot, for RevertPlanned. It changes nothing.
+	PlanRevert(ctx context.Context, base, snapshot string) (RevertPlan, error)
+
+	// RevertPlanned applies plans, in order, to the writable volume live, which must
+	// hold the content of the first plan's base (as Unchanged said, and nothing written
+	// since); each later plan's base is the snapshot of the plan before it. It makes live
+	// equal to the last plan's snapshot, as Revert would, and has Revert's
+	// preconditions and failure semantics: if it fails or is interrupted, live is partly
+	// reverted, and Revert(live, last plan's snapshot) makes it whole. A live whose
+	// content is not the first base's may end up anywhere; that is the caller's
+	// contract, which the pool cannot check.
+	RevertPlanned(ctx context.Context, live string, plans ...RevertPlan) (RevertStats, error)
+}
+
+// A RevertPlan is a difference between two read-only volumes of a pool, computed by
+// PlanRevert and applied by RevertPlanned of the same pool.
+type RevertPlan interface {
+	// Base and Snapshot are the volumes it goes from and to.
+	Base() string
+	Snapshot() string
+	// Len is the number of operations in it (what applying it may do, at most).
+	Len() int
+	// SendMS is the time its computation took.
+	SendMS() float64
+}
+
 // RevertStats describes what a Revert did and where its time went.
 type RevertStats struct {
 	// Ops is the number of filesystem operations applied to live (renames, links,

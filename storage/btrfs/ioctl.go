@@ -182,3 +182,65 @@ func cstr(b []byte) string {
 	}
 	return string(b)
 }
+
+// subvolInfoArgs is struct btrfs_ioctl_get_subvol_info_args.
+type subvolInfoArgs struct {
+	treeID                                 uint64
+	name                                   [btrfsVolNameMax + 1]byte
+	parentID, dirID, generation, flags     uint64
+	uuid, parentUUID, receivedUUID         [16]byte
+	ctransid, otransid, stransid, rtransid uint64
+	ctime, otime, stime, rtime             struct {
+		sec  uint64
+		nsec uint32
+		_    uint32
+	}
+	_ [8]uint64
+}
+
+var (
+	_ [unsafe.Sizeof(subvolInfoArgs{}) - 504]struct{}
+	_ [504 - unsafe.Sizeof(subvolInfoArgs{})]struct{}
+)
+
+// rootSubvolRdonly is BTRFS_ROOT_SUBVOL_RDONLY, the read-only bit of a root item's
+// flags (subvolInfoArgs.flags), not the ioctls' btrfsSubvolRdonly.
+const rootSubvolRdonly = 1
+
+var iocGetSubvolInfo = ioc(iocRead, 60, unsafe.Sizeof(subvolInfoArgs{})) // BTRFS_IOC_GET_SUBVOL_INFO
+
+// subvolInfo returns what the kernel knows of the subvolume fd is in. The kernel reads
+// the root item it holds in memory, so ctransid counts changes not yet committed.
+func subvolInfo(fd int) (*subvolInfoArgs, error) {
+	var a subvolInfoArgs
+	if err := ioctl(fd, iocGetSubvolInfo, unsafe.Pointer(&a)); err != nil {
+		return nil, err
+	}
+	return &a, nil
+}
+
+// fsInfoArgs is struct btrfs_ioctl_fs_info_args.
+type fsInfoArgs struct {
+	maxID, numDevices                uint64
+	fsid                             [16]byte
+	nodesize, sectorsize, cloneAlign uint32
+	csumType, csumSize               uint16
+	flags, generation                uint64
+	metadataUUID                     [16]byte
+	_                                [944]byte
+}
+
+var (
+	_ [unsafe.Sizeof(fsInfoArgs{}) - 1024]struct{}
+	_ [1024 - unsafe.Sizeof(fsInfoArgs{})]struct{}
+)
+
+var iocFsInfo = ioc(iocRead, 31, unsafe.Sizeof(fsInfoArgs{})) // BTRFS_IOC_FS_INFO
+
+func fsInfo(fd int) (*fsInfoArgs, error) {
+	var a fsInfoArgs
+	if err := ioctl(fd, iocFsInfo, unsafe.Pointer(&a)); err != nil {
+		return nil, err
+	}
+	return &a, nil
+}

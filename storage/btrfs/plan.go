@@ -1,0 +1,248 @@
+package btrfs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/storage"
+)
+
+// Planned reverts (storage.PlannedReverter).
+//
+// # Knowing that live still is base
+//
+// Unchanged must never say yes for a live that changed; it may say no for one that did
+// not. btrfs gives two witnesses, neither enough alone:
+//
+//   - The subvolume's root item, which the kernel keeps in memory, has a ctransid: the
+//     transaction of the last change of an inode of the subvolume (btrfs_update_inode
+//     and inode creation set it, uncommitted). A snapshot is created when every writer
+//     of its transaction is done, and it records that transaction as its otransid: so
+//     a change after the snapshot joins a later transaction, and live's ctransid moves
+//     past base's otransid. Names, attributes, truncations, holes, clones, links and
+//     extended attributes update an inode at once.
+//   - Data writes do not: a buffered write, a write through a shared mapping or into a
+//     no-copy-on-write file, sets the times in memory only, and the inode is updated
+//     once the data is written back (TestUnchangedSeesEveryChange). Until then the
+//     data is dirty, and btrfs reserved space for it: the data space's bytes_may_use.
+//     Once written back the space is reserved (bytes_reserved) until the extent's
+//     reference is run, after the write-back updated the inode. So: may_use zero, then
+//     reserved zero, then the ctransid read, in that order, leave no gap for data in
+//     flight. Asynchronous or direct writes allocate before they return, so they are
+//     reserved too. The two counters are the filesystem's, all volumes together: any
+//     dirty data anywhere in the pool makes Unchanged say no.
+//
+// And base must be a snapshot of live itself (its parent UUID is live's UUID): a
+// snapshot of another volume shares nothing with live's transaction history.
+
+// Unchanged implements storage.PlannedReverter.
+func (p *Pool) Unchanged(live, base string) (bool, error) {
+	for _, n := range []string{live, base} {
+		if err := validName(n); err != nil {
+			return false, err
+		}
+	}
+	rootfd, err := p.acquire()
+	if err != nil {
+		return false, err
+	}
+	defer p.mu.RUnlock()
+	basefd, err := openVolume(rootfd, base)
+	if err != nil {
+		return false, p.opError("unchanged: open", base, err)
+	}
+	defer unix.Close(basefd)
+	livefd, err := openVolume(rootfd, live)
+	if err != nil {
+		return false, p.opError("unchanged: open", live, err)
+	}
+	defer unix.Close(livefd)
+	bi, err := subvolInfo(basefd)
+	if err != nil {
+		return false, p.opError("unchanged: inspect", base, err)
+	}
+	if bi.flags&rootSubvolRdonly == 0 {
+		return false, nil
+	}
+	clean, err := p.noDataInFlight(rootfd)
+	if err != nil || !clean {
+		return false, err
+	}
+	li, err := subvolInfo(livefd)
+	if err != nil {
+		return false, p.opError("unchanged: inspect", live, err)
+	}
+	return li.flags&rootSubvolRdonly == 0 && bi.parentUUID == li.uuid && li.ctransid <= bi.otransid, nil
+}
+
+// noDataInFlight reports whether the filesystem holds no data that is dirty or written
+// back but not yet referenced (see above): bytes_may_use, then bytes_reserved, of its
+// data space are zero. A filesystem with mixed block groups has no data space of its
+// own, and reports false.
+func (p *Pool) noDataInFlight(rootfd int) (bool, error) {
+	fi, err := fsInfo(rootfd)
+	if err != nil {
+		return false, p.opError("unchanged: inspect the filesystem of", p.dir, err)
+	}
+	u := fi.fsid
+	dir := fmt.Sprintf("/sys/fs/btrfs/%x-%x-%x-%x-%x/allocation/data/", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+	for _, f := range []string{"bytes_may_use", "bytes_reserved"} {
+		b, err := os.ReadFile(dir + f)
+		if errors.Is(err, os.ErrNotExist) {
+			return false, nil
+		}
+		if err != nil {
+			return false, fmt.Errorf("btrfs pool %s: read %s: %w", p.dir, dir+f, err)
+		}
+		n, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+		if err != nil {
+			return false, fmt.Errorf("btrfs pool %s: read %s: %q is not a number", p.dir, dir+f, b)
+		}
+		if n != 0 {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// plan is the btrfs RevertPlan: a no-data send stream from base to snapshot.
+type plan struct {
+	base, snapshot string
+	cmds           []*sendCommand
+	sendMS         float64
+}
+
+func (pl *plan) Base() string     { return pl.base }
+func (pl *plan) Snapshot() string { return pl.snapshot }
+func (pl *plan) Len() int         { return len(pl.cmds) - 1 } // but the header
+func (pl *plan) SendMS() float64  { return pl.sendMS }
+
+var _ storage.PlannedReverter = (*Pool)(nil)
+
+// PlanRevert implements storage.PlannedReverter: the kernel's send ioctl with base as
+// the parent, in no-data mode, as Revert's but for the parent.
+func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.RevertPlan, error) {
+	for _, n := range []string{base, snapshot} {
+		if err := validName(n); err != nil {
+			return nil, err
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	rootfd, err := p.acquire()
+	if err != nil {
+		return nil, err
+	}
+	defer p.mu.RUnlock()
+	basefd, baseFlags, baseID, err := p.openRevertVolume(rootfd, base, "plan a revert from")
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(basefd)
+	snapfd, snapFlags, snapID, err := p.openRevertVolume(rootfd, snapshot, "plan a revert to")
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(snapfd)
+	switch {
+	case baseFlags&btrfsSubvolRdonly == 0 || snapFlags&btrfsSubvolRdonly == 0:
+		return nil, errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)
+	case baseID == snapID:
+		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
+	}
+	t := time.Now()
+	cmds, err := sendDiff(snapfd, baseID)
+	pl := &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t)}
+	if err == nil && (len(cmds) == 0 || cmds[0].cmd != sendCmdSnapshot) {
+		err = fmt.Errorf("%w: the stream does not start with a snapshot command", errSendStream)
+	}
+	switch {
+	case err == nil:
+		return pl, nil
+	case errors.Is(err, errSendStream):
+		return nil, fmt.Errorf("btrfs pool %s: plan a revert from %q to %q: %w (report this as a bug)", p.dir, base, snapshot, err)
+	case errors.Is(err, unix.EAGAIN):
+		return nil, errdefs.Unavailable("btrfs pool %s: plan a revert from %q to %q: the kernel refused to send while a deduplication or balance runs on the volumes; retry later: %w", p.dir, base, snapshot, err)
+	}
+	return nil, p.opError("plan a revert to", snapshot, err)
+}
+
+// RevertPlanned implements storage.PlannedReverter.
+func (p *Pool) RevertPlanned(ctx context.Context, live string, plans ...storage.RevertPlan) (storage.RevertStats, error) {
+	var st storage.RevertStats
+	if err := validName(live); err != nil {
+		return st, err
+	}
+	if len(plans) == 0 {
+		return st, errdefs.InvalidArgument("btrfs pool %s: revert %q: no plan to apply", p.dir, live)
+	}
+	pls := make([]*plan, len(plans))
+	for i, rp := range plans {
+		pl, ok := rp.(*plan)
+		if !ok || pl == nil {
+			return st, errdefs.InvalidArgument("btrfs pool %s: revert %q: plan %d was not made by this pool's PlanRevert", p.dir, live, i)
+		}
+		if i > 0 && pl.base != pls[i-1].snapshot {
+			return st, errdefs.InvalidArgument("btrfs pool %s: revert %q: plan %d goes from %q, not from %q where the plan before it ends", p.dir, live, i, pl.base, pls[i-1].snapshot)
+		}
+		if pl.base == live || pl.snapshot == live {
+			return st, errdefs.InvalidArgument("btrfs pool %s: revert %q: plan %d goes from or to live itself", p.dir, live, i)
+		}
+		pls[i] = pl
+		st.SendMS += pl.sendMS
+	}
+	if err := ctx.Err(); err != nil {
+		return st, err
+	}
+	rootfd, err := p.acquire()
+	if err != nil {
+		return st, err
+	}
+	defer p.mu.RUnlock()
+	livefd, liveFlags, _, err := p.openRevertVolume(rootfd, live, "revert")
+	if err != nil {
+		return st, err
+	}
+	defer unix.Close(livefd)
+	if liveFlags&btrfsSubvolRdonly != 0 {
+		return st, errdefs.FailedPrecondition("btrfs pool %s: revert %q: the volume is read-only, and Revert reverts writable volumes", p.dir, live)
+	}
+	start := time.Now()
+	// A file that one plan recreates (a new inode of live) stands for its snapshot's
+	// inode; a later plan that updates it in place names that same inode, which its own
+	// snapshot shares with the earlier's (a stream updates a file in place only where
+	// its two volumes have the same inode). So what each plan created carries over.
+	created := map[uint64]uint64{}
+	for _, pl := range pls {
+		snapfd, _, _, err := p.openRevertVolume(rootfd, pl.snapshot, "revert to")
+		if err != nil {
+			return st, err
+		}
+		a, err := newApplier(livefd, snapfd, &st, revertOptions{})
+		if err == nil {
+			a.created = created
+			err = a.apply(ctx, pl.cmds)
+			a.close()
+		}
+		unix.Close(snapfd)
+		if err != nil {
+			applied := 0
+			if a != nil {
+				applied = a.applied
+			}
+			st.ApplyMS = msSince(start)
+			return st, p.partlyReverted(live, pl.snapshot, applied, pl.Len(), err)
+		}
+	}
+	st.ApplyMS = msSince(start)
+	return st, nil
+}
