@@ -87,6 +87,22 @@ print(ok(r1, e1), ok(r2, e2), e1, e2)`
 			t.Fatalf("module load not refused with EPERM/ENOSYS: %q %q", out, errOut)
 		}
 	})
+	t.Run("IOUring", func(t *testing.T) {
+		if h.Isolation == "gvisor" {
+			t.Skip("gVisor's sentry implements io_uring itself, on its own kernel")
+		}
+		// io_uring_setup(2) with one entry: refused with EPERM (the seccomp filter), where
+		// the host kernel would make a ring.
+		code := `import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+params = ctypes.create_string_buffer(120)
+r = libc.syscall(425, 1, params); e = ctypes.get_errno()
+print(r, e)`
+		_, out, errOut := run(t, h, id, "python3", "-c", code)
+		if strings.TrimSpace(out) != "-1 1" {
+			t.Fatalf("io_uring_setup inside the sandbox: %q %q; want -1 1 (EPERM)", out, errOut)
+		}
+	})
 	t.Run("WriteOutsideRoot", func(t *testing.T) { testWriteOutside(t, h, id) })
 	t.Run("Kernel", func(t *testing.T) {
 		if h.Isolation != "gvisor" {
