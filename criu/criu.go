@@ -3,6 +3,7 @@
 package criu
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 
 	gocriu "github.com/checkpoint-restore/go-criu/v8"
 	"github.com/checkpoint-restore/go-criu/v8/rpc"
+	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/internal/netns"
@@ -376,6 +378,70 @@ func Version() (int, error) {
 	return version(p)
 }
 
+var (
+	kdatMu    sync.Mutex
+	kdatBytes []byte // this boot's cache, once UseKdatCache has made it
+)
+
+// InstallKdatInside makes root's /run/criu.kdat this boot's kernel-feature cache (the
+// one UseKdatCache made; nothing is done before it has), unless it is already. CRIU run
+// inside the sandbox (DumpInside) then loads it. Without it, each such CRIU probes the
+// kernel, which mounts a tmpfs on a fresh directory of the sandbox's /tmp, and tries
+// to save the cache, which it refuses off a tmpfs, leaving /run/criu.kdat.tmp behind:
+// every durable copy of a resident checkpoint changed the sandbox's root, and so kept
+// a rollback after it from reverting the root from its head checkpoint's snapshot
+// (storage.PlannedReverter). The cache describes the kernel, which the sandbox shares.
+// Paths are resolved below root without following symlinks: the sandbox owns them.
+func InstallKdatInside(root string) error {
+	kdatMu.Lock()
+	want := kdatBytes
+	kdatMu.Unlock()
+	if want == nil {
+		return nil
+	}
+	rootfd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(rootfd)
+	how := unix.OpenHow{Flags: unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS | unix.RESOLVE_NO_XDEV}
+	if err := unix.Mkdirat(rootfd, "run", 0o755); err != nil && err != unix.EEXIST {
+		return fmt.Errorf("install the CRIU cache in %s: %w", root, err)
+	}
+	run, err := unix.Openat2(rootfd, "run", &how)
+	if err != nil {
+		return fmt.Errorf("install the CRIU cache in %s: /run: %w", root, err)
+	}
+	defer unix.Close(run)
+	if fd, err := unix.Openat(run, "criu.kdat", unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err == nil {
+		have := make([]byte, len(want)+1)
+		n, _ := unix.Read(fd, have)
+		unix.Close(fd)
+		if n == len(want) && bytes.Equal(have[:n], want) {
+			return nil
+		}
+	}
+	const tmp = ".criu.kdat.cairn-tmp"
+	unix.Unlinkat(run, tmp, 0)
+	fd, err := unix.Openat(run, tmp, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("install the CRIU cache in %s: %w", root, err)
+	}
+	_, err = unix.Write(fd, want)
+	unix.Close(fd)
+	if err == nil {
+		err = unix.Renameat(run, tmp, run, "criu.kdat")
+	}
+	if err != nil {
+		unix.Unlinkat(run, tmp, 0)
+		return fmt.Errorf("install the CRIU cache in %s: %w", root, err)
+	}
+	// What CRIU left of a failed save before there was a cache.
+	unix.Unlinkat(run, "criu.kdat.tmp", 0)
+	return nil
+}
+
 // UseKdatCache installs CRIU's kernel-feature cache (/run/criu.kdat) for the current
 // boot, keeping a copy in dir.
 //
@@ -415,6 +481,9 @@ func UseKdatCache(dir string) error {
 			return err
 		}
 	}
+	kdatMu.Lock()
+	kdatBytes = want
+	kdatMu.Unlock()
 	const installed = "/run/criu.kdat"
 	if have, err := os.ReadFile(installed); err == nil && string(have) == string(want) {
 		return nil

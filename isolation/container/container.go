@@ -21,6 +21,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/errdefs"
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 	"github.com/cairn-sandbox/cairn/isolation"
@@ -66,6 +67,9 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 // into it sets it after them).
 func (b *Backend) start(ctx context.Context, sb *isolation.Sandbox, pidBase bool) error {
 	if err := initctl.Install(b.initBinary, sb.Root); err != nil {
+		return err
+	}
+	if err := criu.InstallKdatInside(sb.Root); err != nil {
 		return err
 	}
 	ctlDir := filepath.Join(sb.Root, initctl.Dir)
