@@ -116,9 +116,9 @@ func (g guardedContainer) Restore(ctx context.Context, sb *isolation.Sandbox, di
 	return g.Backend.Restore(ctx, sb, dir)
 }
 
-func (g guardedContainer) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, dir string, revert func(context.Context) error) error {
+func (g guardedContainer) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, dir string, hooks isolation.RollbackHooks) error {
 	defer g.images.rlock()()
-	return g.Backend.RollbackDurable(ctx, sb, dir, revert)
+	return g.Backend.RollbackDurable(ctx, sb, dir, hooks)
 }
 
 func (g guardedContainer) RestoreFrozen(ctx context.Context, sb *isolation.Sandbox, dir string) error {

@@ -452,8 +452,8 @@ func (e *Engine) rollbackResident(ctx context.Context, r isolation.Resident, sb 
 		return false, nil
 	}
 	return e.rollbackInPlace(ctx, sb, ck, "resident-rollback-killed", func(st *Stats) { st.ResidentRollbacks++ },
-		func(revert func(context.Context) error) error {
-			if err := r.RollbackResident(ctx, isb, dir, revert); err != nil {
+		func(hooks isolation.RollbackHooks) error {
+			if err := r.RollbackResident(ctx, isb, dir, hooks); err != nil {
 				return err
 			}
 			crashPoint("resident-rollback-spawned")
@@ -477,17 +477,24 @@ func (e *Engine) rollbackDurable(ctx context.Context, r isolation.Resident, sb *
 		return false, err
 	}
 	return e.rollbackInPlace(ctx, sb, ck, "durable-rollback-killed", func(st *Stats) { st.InPlaceRestores++ },
-		func(revert func(context.Context) error) error {
-			return r.RollbackDurable(ctx, e.isb(sb), e.imagesPath(ck.Images), revert)
+		func(hooks isolation.RollbackHooks) error {
+			return r.RollbackDurable(ctx, e.isb(sb), e.imagesPath(ck.Images), hooks)
 		})
 }
 
 // rollbackInPlace is what the two rollbacks in place share: the mark a crash leaves
-// (recovered below), the revert of the root that run calls once sb's processes are
-// killed (killed names its crash point), and sb's new head. It returns false, with
+// (recovered below), the revert of the root that run's hooks call once sb's processes
+// are killed (killed names its crash point), and sb's new head. It returns false, with
 // nothing done, when run says isolation.ErrNotResident.
+//
+// The revert is planned when it can be (storage.PlannedReverter): the difference from
+// the head checkpoint's filesystem to ck's, both read-only, is computed from the start,
+// beside the kill, and applied if the root still held the head's content when the
+// sandbox was quiet (Unchanged, asked in hooks.Quiesced), which a rollback right after
+// a checkpoint finds (a search that checkpoints every node, then jumps). Otherwise the
+// revert compares the root itself (Revert: a snapshot of it first).
 func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *model.Checkpoint, killed string,
-	counted func(*Stats), run func(revert func(context.Context) error) error) (bool, error) {
+	counted func(*Stats), run func(isolation.RollbackHooks) error) (bool, error) {
 	rv, ok := e.pool.(storage.Reverter)
 	if !ok {
 		return false, nil
@@ -495,22 +502,36 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	if err := markRollback(e.cfg.DataDir, sb.ID, ck.ID); err != nil {
 		return false, err
 	}
-	err := run(func(ctx context.Context) error {
-		crashPoint(killed)
-		st, err := rv.Revert(ctx, sb.Root, ck.FSVolume)
-		if f := phase.Of(ctx); f != nil {
-			f("revert_snapshot", msDuration(st.SnapshotMS))
-			f("revert_send", msDuration(st.SendMS))
-			f("revert_apply", msDuration(st.ApplyMS))
-		}
-		e.count(func(s *Stats) {
-			s.Reverts++
-			s.RevertOps += st.Ops
-			s.RevertSnapshotMS += st.SnapshotMS
-			s.RevertSendMS += st.SendMS
-			s.RevertApplyMS += st.ApplyMS
-		})
-		return err
+	pl := e.planRevert(ctx, sb, ck)
+	var quiesced func(context.Context)
+	if pl.pr != nil {
+		quiesced = pl.quiesced
+	}
+	err := run(isolation.RollbackHooks{
+		Quiesced: quiesced,
+		Revert: func(ctx context.Context, asQuiesced bool) error {
+			crashPoint(killed)
+			st, planned, err := pl.revert(ctx, asQuiesced)
+			if !planned {
+				st, err = rv.Revert(ctx, sb.Root, ck.FSVolume)
+			}
+			if f := phase.Of(ctx); f != nil {
+				f("revert_snapshot", msDuration(st.SnapshotMS))
+				f("revert_send", msDuration(st.SendMS))
+				f("revert_apply", msDuration(st.ApplyMS))
+			}
+			e.count(func(s *Stats) {
+				s.Reverts++
+				if planned {
+					s.PlannedReverts++
+				}
+				s.RevertOps += st.Ops
+				s.RevertSnapshotMS += st.SnapshotMS
+				s.RevertSendMS += st.SendMS
+				s.RevertApplyMS += st.ApplyMS
+			})
+			return err
+		},
 	})
 	if errors.Is(err, isolation.ErrNotResident) {
 		clearRollback(e.cfg.DataDir, sb.ID)
@@ -528,6 +549,88 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	phase.Since(ctx, "commit", t)
 	e.count(counted)
 	return true, nil
+}
+
+// revertPlan is a rollback's planned revert from its sandbox's head (see
+// rollbackInPlace); the zero value plans nothing.
+type revertPlan struct {
+	pr         storage.PlannedReverter
+	root, head string // the sandbox's root, and its head checkpoint's filesystem
+	plan       chan plannedRevert
+	unchanged  bool // the root held head's content when the sandbox was quiet
+	logf       func(string, ...any)
+}
+
+type plannedRevert struct {
+	plan storage.RevertPlan // nil: the head is the target
+	err  error
+}
+
+// planRevert starts computing the difference from sb's head checkpoint's filesystem to
+// ck's, if the pool can plan reverts, the head has a filesystem of its own and the root
+// still holds it as the sandbox runs (Unchanged, asked again once it is quiet: when the
+// root has changed already, which a rollback after work since the last checkpoint finds,
+// nothing is done beyond that question).
+func (e *Engine) planRevert(ctx context.Context, sb *model.Sandbox, ck *model.Checkpoint) *revertPlan {
+	pr, ok := e.pool.(storage.PlannedReverter)
+	if !ok || sb.Head == "" {
+		return &revertPlan{}
+	}
+	head, err := e.db.Checkpoint(ctx, sb.Head)
+	if err != nil || head.FSVolume == "" {
+		return &revertPlan{}
+	}
+	if ok, err := pr.Unchanged(sb.Root, head.FSVolume); err != nil || !ok {
+		return &revertPlan{}
+	}
+	p := &revertPlan{pr: pr, root: sb.Root, head: head.FSVolume, plan: make(chan plannedRevert, 1), logf: e.cfg.Logf}
+	if head.FSVolume == ck.FSVolume {
+		p.plan <- plannedRevert{}
+		return p
+	}
+	go func() {
+		pl, err := pr.PlanRevert(ctx, head.FSVolume, ck.FSVolume)
+		p.plan <- plannedRevert{pl, err}
+	}()
+	return p
+}
+
+// quiesced is the rollback's RollbackHooks.Quiesced: it asks whether the root still
+// holds the head's content.
+func (p *revertPlan) quiesced(ctx context.Context) {
+	if p.pr == nil {
+		return
+	}
+	crashPoint("rollback-quiesced")
+	t := time.Now()
+	ok, err := p.pr.Unchanged(p.root, p.head)
+	p.unchanged = ok && err == nil
+	phase.Since(ctx, "unchanged", t)
+}
+
+// revert applies the plan if the root held the head's content (asQuiesced: and holds
+// it again after the kill), and says whether it did; a failed apply is reported as
+// not planned, for the caller's Revert, which converges from where it stopped.
+func (p *revertPlan) revert(ctx context.Context, asQuiesced bool) (storage.RevertStats, bool, error) {
+	if p.pr == nil || !p.unchanged || !asQuiesced {
+		return storage.RevertStats{}, false, nil
+	}
+	t := time.Now()
+	r := <-p.plan
+	phase.Since(ctx, "revert_wait_plan", t)
+	if r.err != nil {
+		p.logf("revert of %s: plan from %s: %v; comparing the root itself", p.root, p.head, r.err)
+		return storage.RevertStats{}, false, nil
+	}
+	if r.plan == nil {
+		return storage.RevertStats{}, true, nil // the root is the target's already
+	}
+	st, err := p.pr.RevertPlanned(ctx, p.root, r.plan)
+	if err != nil {
+		p.logf("revert of %s: planned from %s: %v; comparing the root itself", p.root, p.head, err)
+		return st, false, nil
+	}
+	return st, true, nil
 }
 
 // msDuration converts milliseconds as RevertStats holds them.

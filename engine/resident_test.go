@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/cairn-sandbox/cairn/criu/incremental"
 	"github.com/cairn-sandbox/cairn/engine"
@@ -285,21 +286,30 @@ func TestResidentMemoryBound(t *testing.T) {
 	}
 }
 
-// inPlaceCrashEnv marks the child process of TestRollbackInPlaceCrash.
+// inPlaceCrashEnv marks the child process of TestRollbackInPlaceCrash, and names its
+// crash point.
 const inPlaceCrashEnv = "CAIRN_IN_PLACE_CRASH"
 
 // TestRollbackInPlaceCrash kills the engine (SIGKILL, in a child process) in the middle
-// of a rollback in place by images, its processes killed and its root not reverted; the
-// next engine finds the sandbox by its mark and rolls it back again, and the state is
-// the checkpoint's.
+// of a rollback in place by images: with its processes killed and its root not reverted
+// (durable-rollback-killed), and with them stopped, before the kill, while the planned
+// revert asks whether the root changed (rollback-quiesced: the rollback follows a
+// checkpoint). The next engine finds the sandbox by its mark and rolls it back again,
+// and the state is the checkpoint's.
 func TestRollbackInPlaceCrash(t *testing.T) {
-	if os.Getenv(inPlaceCrashEnv) != "" {
-		inPlaceCrashChild(t)
+	if p := os.Getenv(inPlaceCrashEnv); p != "" {
+		inPlaceCrashChild(t, p)
 		return
 	}
+	for _, point := range []string{"durable-rollback-killed", "rollback-quiesced"} {
+		t.Run(point, func(t *testing.T) { testRollbackInPlaceCrash(t, point) })
+	}
+}
+
+func testRollbackInPlaceCrash(t *testing.T, point string) {
 	ctx := context.Background()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestRollbackInPlaceCrash$", "-test.v")
-	cmd.Env = append(os.Environ(), inPlaceCrashEnv+"=1")
+	cmd.Env = append(os.Environ(), inPlaceCrashEnv+"="+point)
 	out, err := cmd.CombinedOutput()
 	got := childReport(string(out))
 	cfg := testenv.Config(t)
@@ -330,8 +340,8 @@ func TestRollbackInPlaceCrash(t *testing.T) {
 }
 
 // inPlaceCrashChild takes two checkpoints with one resident at a time, so the first is
-// evicted, and dies rolling back to it.
-func inPlaceCrashChild(t *testing.T) {
+// evicted, and dies at point rolling back to it.
+func inPlaceCrashChild(t *testing.T, point string) {
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys, c.Residents = -1, 1 })
 	ctx := context.Background()
 	sb, r := newREPL(t, e, false)
@@ -349,13 +359,24 @@ func inPlaceCrashChild(t *testing.T) {
 	if ck, err := e.GetCheckpoint(ctx, cks[0].ID); err != nil || ck.Resident {
 		t.Fatalf("first checkpoint still resident (%v): nothing to roll back in place", err)
 	}
-	r.ask("x = 3\nopen('/f', 'w').write('file 3')")
 	fmt.Printf("crash-child target %s\n", cks[0].ID)
-	os.Setenv("CAIRN_TEST_CRASH_AT", "durable-rollback-killed")
-	if err := e.Rollback(ctx, sb.ID, cks[0].ID); err != nil {
-		t.Fatal(err)
+	os.Setenv("CAIRN_TEST_CRASH_AT", point)
+	// rollback-quiesced needs the root as the head checkpoint has it (a checkpoint just
+	// taken) and no dirty data anywhere in the pool, which the tests of other packages,
+	// sharing it, may be writing meanwhile: the revert is then not planned, the
+	// rollback completes, and the child tries again.
+	for try := 0; try < 20; try++ {
+		r.ask("x = 3\nopen('/f', 'w').write('file 3')")
+		if point == "rollback-quiesced" {
+			if _, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{Durable: true}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := e.Rollback(ctx, sb.ID, cks[0].ID); err != nil {
+			t.Fatal(err)
+		}
 	}
-	t.Fatal("no crash at durable-rollback-killed")
+	t.Fatalf("no crash at %s", point)
 }
 
 // TestRecoverLostCheckpoint: a checkpoint whose filesystem a crash of the machine took
@@ -465,5 +486,107 @@ func TestRollbackReusedPID(t *testing.T) {
 	}
 	if st := e.Stats(); st.ResidentRollbacks != 2 {
 		t.Fatalf("%d of 2 rollbacks went through zygotes (restores in place %d)", st.ResidentRollbacks, st.InPlaceRestores)
+	}
+}
+
+// TestPlannedRevert checks the rollbacks whose revert is planned from the head
+// checkpoint's filesystem (the root unchanged since it) and those that must not be: the
+// root reverted since, or data written after the head and not yet written back, to a
+// file the plan would not touch. Files, the REPL and the processes are checked each time.
+func TestPlannedRevert(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	state := func() string {
+		return r.ask("print(x, open('/f').read(), os.path.exists('/g'), open('/h').read())")
+	}
+	checkpoint := func() *model.Checkpoint {
+		t.Helper()
+		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ck.Method != "zygote" {
+			t.Fatalf("checkpoint: method %s, want zygote", ck.Method)
+		}
+		return ck
+	}
+	rollback := func(ck *model.Checkpoint, planned int, want string) {
+		t.Helper()
+		if err := e.Rollback(ctx, sb.ID, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		st := e.Stats()
+		if st.ResidentRollbacks != st.Reverts || st.PlannedReverts != planned {
+			t.Errorf("after the rollback to %s: %d of %d reverts planned, want %d (%d through zygotes)",
+				ck.ID, st.PlannedReverts, st.Reverts, planned, st.ResidentRollbacks)
+		}
+		if got := state(); got != want {
+			t.Fatalf("after the rollback to %s: %q, want %q", ck.ID, got, want)
+		}
+	}
+	r.ask("import os, time\nx = 1\nopen('/f', 'w').write('f1')\nopen('/h', 'w').write('h')")
+	a := checkpoint()
+	r.ask("x = 2\nopen('/f', 'w').write('f2')\nopen('/g', 'w').write('g')")
+	sleep, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"sleep", "1000"}, NoStdin: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := checkpoint()
+	// Right after b: planned. The sleep, which a does not have, is killed; its exit
+	// record is undone and its record removed with the rest of what b adds.
+	rollback(a, 1, "1 f1 False h")
+	if _, err := e.Process(ctx, sb.ID, sleep); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("after the rollback to a, the sleep's record: %v, want not found", err)
+	}
+	// The root was reverted (and the REPL wrote) since a: a plain revert.
+	rollback(b, 1, "2 f2 True h")
+	if p, err := e.Process(ctx, sb.ID, sleep); err != nil || !p.Running {
+		t.Fatalf("after the rollback to b, the sleep: %+v, %v; want running", p, err)
+	}
+	// The REPL sleeps through the checkpoint, then writes to /h, which a and c share:
+	// only the data is new (not yet written back), and the plan from c would leave it.
+	if err := e.Stdin(ctx, sb.ID, r.p, []byte("time.sleep(0.3); open('/h', 'r+').write('H')\n"), false); err != nil {
+		t.Fatal(err)
+	}
+	checkpoint()
+	time.Sleep(time.Second)
+	rollback(a, 1, "1 f1 False h")
+	// A checkpoint, and at once a rollback to it: nothing to revert, planned.
+	d := checkpoint()
+	rollback(d, 2, "1 f1 False h")
+}
+
+// TestDurableCopyLeavesRoot: the durable copy of a resident checkpoint runs CRIU inside
+// the sandbox, which loads the kernel-feature cache cairn installed as its
+// /run/criu.kdat: it neither probes the kernel (a directory in /tmp) nor leaves a
+// /run/criu.kdat.tmp, so the root after the copy is the root before it, and a
+// rollback after it can still be planned from the checkpoint's snapshot.
+func TestDurableCopyLeavesRoot(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	r.ask("x = 1")
+	c1, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.Quiesce() // the durable copy
+	if ck, err := e.GetCheckpoint(ctx, c1.ID); err != nil || ck.Method != "zygote-criu" {
+		t.Fatalf("checkpoint after the durable copy: %+v, %v; want method zygote-criu", ck, err)
+	}
+	c2, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	changes, err := e.Diff(ctx, c1.ID, c2.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(changes) != 0 {
+		t.Fatalf("the durable copy changed the root: %+v", changes)
+	}
+	if _, err := e.Stat(ctx, sb.ID, "/run/criu.kdat"); err != nil {
+		t.Fatalf("/run/criu.kdat in the sandbox: %v", err)
 	}
 }

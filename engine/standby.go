@@ -74,7 +74,10 @@ type Stats struct {
 	// RevertOps the filesystem operations they applied, and the RevertMS fields the
 	// time of their phases: the snapshot of the live root, computing the difference,
 	// applying it (all on the rollbacks' critical path).
-	Reverts          int     `json:"reverts"`
+	Reverts int `json:"reverts"`
+	// PlannedReverts counts those computed ahead, from the head checkpoint's
+	// filesystem (storage.PlannedReverter), without a snapshot of the root.
+	PlannedReverts   int     `json:"planned_reverts"`
 	RevertOps        int     `json:"revert_ops"`
 	RevertSnapshotMS float64 `json:"revert_snapshot_ms"`
 	RevertSendMS     float64 `json:"revert_send_ms"`
@@ -92,7 +95,7 @@ func (s Stats) Since(before Stats) Stats {
 		DurableCopies: s.DurableCopies - before.DurableCopies,
 		DurableMS:     s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted,
 		ResidentsEvictedForMemory: s.ResidentsEvictedForMemory - before.ResidentsEvictedForMemory,
-		Reverts:                   s.Reverts - before.Reverts, RevertOps: s.RevertOps - before.RevertOps,
+		Reverts:                   s.Reverts - before.Reverts, PlannedReverts: s.PlannedReverts - before.PlannedReverts, RevertOps: s.RevertOps - before.RevertOps,
 		RevertSnapshotMS: s.RevertSnapshotMS - before.RevertSnapshotMS, RevertSendMS: s.RevertSendMS - before.RevertSendMS,
 		RevertApplyMS: s.RevertApplyMS - before.RevertApplyMS}
 }

@@ -91,18 +91,18 @@ type Resident interface {
 	// the sandbox runs on unchanged.
 	CheckpointResident(ctx context.Context, sb *Sandbox, dir string, hooks Hooks) error
 	// RollbackResident brings sb's processes back to the resident checkpoint in dir: it
-	// kills them, calls revert, which must bring sb.Root's files back to the
+	// kills them, calls hooks.Revert, which must bring sb.Root's files back to the
 	// checkpoint's in place (the zygotes' descriptors point at its inodes), and forks the
-	// checkpoint's processes from the zygotes (revert may run on a goroutine of its own,
+	// checkpoint's processes from the zygotes (Revert may run on a goroutine of its own,
 	// beside the forks). ErrNotResident if the zygotes are gone or
 	// belong to another generation of the sandbox (nothing was done then); any other
 	// error leaves sb without its processes, to be restored from images.
-	RollbackResident(ctx context.Context, sb *Sandbox, dir string, revert func(context.Context) error) error
+	RollbackResident(ctx context.Context, sb *Sandbox, dir string, hooks RollbackHooks) error
 	// RollbackDurable is RollbackResident for a checkpoint of sb made durable whose
 	// zygotes are gone: the processes are restored from its images into sb's running
 	// init, so that sb keeps its generation and its other checkpoints' zygotes stay
 	// usable. ErrNotResident if the images cannot be restored so (nothing was done).
-	RollbackDurable(ctx context.Context, sb *Sandbox, dir string, revert func(context.Context) error) error
+	RollbackDurable(ctx context.Context, sb *Sandbox, dir string, hooks RollbackHooks) error
 	// MakeDurable writes process images of the resident checkpoint in dir, from its
 	// zygotes, so that it outlives them. sb is the sandbox they belong to.
 	MakeDurable(ctx context.Context, sb *Sandbox, dir string) error
@@ -117,6 +117,22 @@ type Resident interface {
 	// CheckpointMemory is the memory only dir's zygotes map, which DropResident(dir)
 	// frees (0 without zygotes).
 	CheckpointMemory(dir string) (int64, error)
+}
+
+// RollbackHooks are called by a rollback in place (Resident).
+type RollbackHooks struct {
+	// Quiesced, if set, is called before the sandbox's processes are killed, while they
+	// are stopped and nothing writes in sb.Root: neither they nor anything the backend
+	// runs there (its init, its CRIU). A backend that cannot bring the sandbox to that
+	// state does not call it.
+	Quiesced func(ctx context.Context)
+	// Revert must bring sb.Root's files back to the checkpoint's in place; it is called
+	// once the processes are gone, and nothing writes in sb.Root until it returns.
+	// asQuiesced says that the root holds again exactly what it held when Quiesced was
+	// called, but for the change times of the directories of the killed processes'
+	// records (the backend removed the exit records their deaths left); false when the
+	// backend cannot vouch for that, or Quiesced was not set.
+	Revert func(ctx context.Context, asQuiesced bool) error
 }
 
 // ErrNotResident says that a sandbox cannot be kept, or is not kept, as zygotes.

@@ -60,6 +60,11 @@ func (b *Backend) MakeDurable(ctx context.Context, sb *isolation.Sandbox, dir st
 	if err := os.Mkdir(tmp, 0o700); err != nil {
 		return err
 	}
+	// Already there but after a rollback to a checkpoint of another boot: CRIU loads it,
+	// and leaves the root alone (criu.InstallKdatInside).
+	if err := criu.InstallKdatInside(sb.Root); err != nil {
+		return err
+	}
 	cg, err := criuCgroup(sb.CgroupName())
 	if err != nil {
 		return err
@@ -184,7 +189,7 @@ func (b *Backend) restoreProcs(ctx context.Context, sb *isolation.Sandbox, dir s
 // sb's running init. The sandbox keeps its generation, so the zygotes of its other
 // checkpoints stay usable (a rollback that started a new init would strand them: each
 // would have to be dumped first).
-func (b *Backend) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, dir string, revert func(context.Context) error) error {
+func (b *Backend) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, dir string, hooks isolation.RollbackHooks) error {
 	if !perProcess(dir) {
 		return fmt.Errorf("%w: the checkpoint's images are of the whole tree", isolation.ErrNotResident)
 	}
@@ -195,7 +200,7 @@ func (b *Backend) RollbackDurable(ctx context.Context, sb *isolation.Sandbox, di
 	if !b.Running(sb) {
 		return fmt.Errorf("%w: sandbox %s is not running", isolation.ErrNotResident, sb.ID)
 	}
-	release, err := killAndRevert(ctx, sb, revert)
+	release, err := killAndRevert(ctx, sb, hooks)
 	if err != nil {
 		return err
 	}

@@ -214,7 +214,7 @@ func (b *Backend) DropResident(dir string) error {
 }
 
 // RollbackResident implements isolation.Resident.
-func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, dir string, revert func(context.Context) error) error {
+func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, dir string, hooks isolation.RollbackHooks) error {
 	t := time.Now()
 	defer b.res.dirLock(dir)()
 	rec, ok, err := zygote.Read(dir)
@@ -229,13 +229,9 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
 	}
 	phase.Since(ctx, "record", t)
-	t = time.Now()
 	adoptStrays(rec, sb)
-	if err := killAllButInit(ctx, sb); err != nil {
-		return err
-	}
-	phase.Since(ctx, "kill", t)
-	// A background CRIU (a durable copy, dumping from inside) writes in the root too.
+	// A background CRIU (a durable copy, dumping from inside) writes in the root too:
+	// it is held before the kill, so that what hooks.Quiesced sees of the root stays.
 	t = time.Now()
 	release, err := holdCRIU(sb.CgroupName())
 	if err != nil {
@@ -243,6 +239,12 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	}
 	defer release()
 	phase.Since(ctx, "hold_criu", t)
+	t = time.Now()
+	asQuiesced, err := quietKill(ctx, sb, hooks.Quiesced)
+	if err != nil {
+		return err
+	}
+	phase.Since(ctx, "kill", t)
 	// The root is reverted on another thread from here on, the longest part of a
 	// rollback: it may begin once the processes are reaped (init has written their exit
 	// records) and CRIU is held, as nothing else writes there until the reload, and it
@@ -250,7 +252,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	// descriptors, not files; the fixups after it need the checkpoint's files).
 	reverted := make(chan error, 1)
 	go func() {
-		err := revert(ctx)
+		err := hooks.Revert(ctx, asQuiesced)
 		if err != nil {
 			err = fmt.Errorf("revert the root of %s: %w", sb.ID, err)
 		}
@@ -324,25 +326,32 @@ func (b *Backend) reload(ctx context.Context, sb *isolation.Sandbox) error {
 	return resp.Err(sb.ID, "reload processes")
 }
 
-// killAndRevert begins a rollback in place by images: it kills every process of sb but
-// init, reverts its root, and holds a CRIU dumping a zygote of sb from inside (in the
-// background: it starts processes in the namespace, which could take a PID to give
-// back) until release.
-func killAndRevert(ctx context.Context, sb *isolation.Sandbox, revert func(context.Context) error) (release func(), err error) {
+// killAndRevert begins a rollback in place by images: it holds a CRIU dumping a zygote
+// of sb from inside (in the background: it starts processes in the namespace, which
+// could take a PID to give back, and writes in the root) until release, kills every
+// process of sb but init and reverts its root.
+func killAndRevert(ctx context.Context, sb *isolation.Sandbox, hooks isolation.RollbackHooks) (release func(), err error) {
+	t := time.Now()
+	release, err = holdCRIU(sb.CgroupName())
+	if err != nil {
+		return nil, err
+	}
+	phase.Since(ctx, "hold_criu", t)
 	// Init records each death before it reaps the process (cmd/cairn-init reap): once
 	// their PIDs are gone, nothing more is written for them, and the revert removes what
-	// was.
-	t := time.Now()
-	if err := killAllButInit(ctx, sb); err != nil {
+	// was (or quietKill already did).
+	t = time.Now()
+	asQuiesced, err := quietKill(ctx, sb, hooks.Quiesced)
+	if err != nil {
+		release()
 		return nil, err
 	}
 	phase.Since(ctx, "kill", t)
-	if err := revert(ctx); err != nil {
+	if err := hooks.Revert(ctx, asQuiesced); err != nil {
+		release()
 		return nil, fmt.Errorf("revert the root of %s: %w", sb.ID, err)
 	}
-	t = time.Now()
-	defer phase.Since(ctx, "hold_criu", t)
-	return holdCRIU(sb.CgroupName())
+	return release, nil
 }
 
 // adoptStrays moves into the sandbox's freezer cgroup the strays of rec's zygotes
@@ -358,17 +367,21 @@ func adoptStrays(rec *zygote.Record, sb *isolation.Sandbox) {
 // killAllButInit kills every process of the sandbox but init (its zygotes are not in its
 // freezer cgroup) and waits until init has reaped them, so that their PIDs are free.
 // Phases: kill_exit until the last has left the cgroup (exited: its memory unmapped, its
-// files closed), kill_reap until init has recorded and reaped the last.
-func killAllButInit(ctx context.Context, sb *isolation.Sandbox) error {
+// files closed), kill_reap until init has recorded and reaped the last. Processes the
+// caller killed already (and which may have left the cgroup) are in killed.
+func killAllButInit(ctx context.Context, sb *isolation.Sandbox, killed ...int) error {
 	start := time.Now()
 	deadline := start.Add(10 * time.Second)
-	killed := map[int]bool{}
+	waitFor := map[int]bool{}
+	for _, p := range killed {
+		waitFor[p] = true
+	}
 	for {
 		n := 0
 		for _, p := range cgroupPids(sb.CgroupName()) {
 			if p != sb.Init.Pid {
 				unix.Kill(p, unix.SIGKILL)
-				killed[p] = true
+				waitFor[p] = true
 				n++
 			}
 		}
@@ -384,7 +397,7 @@ func killAllButInit(ctx context.Context, sb *isolation.Sandbox) error {
 	// A process leaves its cgroup when it exits, its PID when its parent reaps it.
 	t := time.Now()
 	defer phase.Since(ctx, "kill_reap", t)
-	for p := range killed {
+	for p := range waitFor {
 		for {
 			if _, err := os.Stat("/proc/" + strconv.Itoa(p)); err != nil {
 				break
