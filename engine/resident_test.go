@@ -435,18 +435,7 @@ func TestRollbackReusedPID(t *testing.T) {
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
 	ctx := context.Background()
 	sb, r := newREPL(t, e, true)
-	checkpoint := func() *model.Checkpoint {
-		t.Helper()
-		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ck.Method != "zygote" {
-			got, _ := e.GetCheckpoint(ctx, ck.ID)
-			t.Fatalf("checkpoint: method %s (%s), want zygote", ck.Method, got.MethodReason)
-		}
-		return ck
-	}
+	checkpoint := func() *model.Checkpoint { t.Helper(); return residentCheckpoint(t, e, sb.ID) }
 	r.ask("import os")
 	c := checkpoint()
 	h, err := e.Exec(ctx, sb.ID, model.ExecOptions{Args: []string{"sleep", "1000"}, NoStdin: true})
@@ -500,17 +489,7 @@ func TestPlannedRevert(t *testing.T) {
 	state := func() string {
 		return r.ask("print(x, open('/f').read(), os.path.exists('/g'), open('/h').read())")
 	}
-	checkpoint := func() *model.Checkpoint {
-		t.Helper()
-		ck, err := e.Checkpoint(ctx, sb.ID, engine.CheckpointOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ck.Method != "zygote" {
-			t.Fatalf("checkpoint: method %s, want zygote", ck.Method)
-		}
-		return ck
-	}
+	checkpoint := func() *model.Checkpoint { t.Helper(); return residentCheckpoint(t, e, sb.ID) }
 	rollback := func(ck *model.Checkpoint, planned int, want string) {
 		t.Helper()
 		if err := e.Rollback(ctx, sb.ID, ck.ID); err != nil {
@@ -589,4 +568,18 @@ func TestDurableCopyLeavesRoot(t *testing.T) {
 	if _, err := e.Stat(ctx, sb.ID, "/run/criu.kdat"); err != nil {
 		t.Fatalf("/run/criu.kdat in the sandbox: %v", err)
 	}
+}
+
+// residentCheckpoint checkpoints sandbox id, which must be kept resident.
+func residentCheckpoint(t *testing.T, e *engine.Engine, id string) *model.Checkpoint {
+	t.Helper()
+	ck, err := e.Checkpoint(context.Background(), id, engine.CheckpointOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ck.Method != "zygote" {
+		got, _ := e.GetCheckpoint(context.Background(), ck.ID)
+		t.Fatalf("checkpoint: method %s (%s), want zygote", ck.Method, got.MethodReason)
+	}
+	return ck
 }

@@ -143,16 +143,13 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		return nil, err
 	}
 	defer p.mu.RUnlock()
-	basefd, baseFlags, baseID, err := p.openRevertVolume(rootfd, base, "plan a revert from")
+	vols, err := p.openRevertPair(rootfd, base, snapshot, "plan a revert from", "plan a revert to")
 	if err != nil {
 		return nil, err
 	}
-	defer unix.Close(basefd)
-	snapfd, snapFlags, snapID, err := p.openRevertVolume(rootfd, snapshot, "plan a revert to")
-	if err != nil {
-		return nil, err
-	}
-	defer unix.Close(snapfd)
+	defer vols.close()
+	baseFlags, baseID := vols[0].flags, vols[0].id
+	snapfd, snapFlags, snapID := vols[1].fd, vols[1].flags, vols[1].id
 	switch {
 	case baseFlags&btrfsSubvolRdonly == 0 || snapFlags&btrfsSubvolRdonly == 0:
 		return nil, errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)

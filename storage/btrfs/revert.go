@@ -101,16 +101,13 @@ func (p *Pool) revert(ctx context.Context, live, snapshot string, opt revertOpti
 		return st, err
 	}
 	defer p.mu.RUnlock()
-	livefd, liveFlags, liveID, err := p.openRevertVolume(rootfd, live, "revert")
+	vols, err := p.openRevertPair(rootfd, live, snapshot, "revert", "revert to")
 	if err != nil {
 		return st, err
 	}
-	defer unix.Close(livefd)
-	snapfd, snapFlags, snapID, err := p.openRevertVolume(rootfd, snapshot, "revert to")
-	if err != nil {
-		return st, err
-	}
-	defer unix.Close(snapfd)
+	defer vols.close()
+	livefd, liveFlags, liveID := vols[0].fd, vols[0].flags, vols[0].id
+	snapfd, snapFlags, snapID := vols[1].fd, vols[1].flags, vols[1].id
 	switch {
 	case liveFlags&btrfsSubvolRdonly != 0:
 		return st, errdefs.FailedPrecondition("btrfs pool %s: revert %q: the volume is read-only, and Revert reverts writable volumes; if an earlier Revert was interrupted by a crash, clear the flag with SetReadOnly(false) and run Revert again", p.dir, live)
@@ -139,6 +136,33 @@ func (p *Pool) revert(ctx context.Context, live, snapshot string, opt revertOpti
 		return st, p.partlyReverted(live, snapshot, applied, len(cmds)-1, err)
 	}
 	return st, nil
+}
+
+// revertVolume is a volume opened by openRevertVolume.
+type revertVolume struct {
+	fd        int
+	flags, id uint64
+}
+
+type revertPair [2]revertVolume
+
+func (v revertPair) close() {
+	unix.Close(v[0].fd)
+	unix.Close(v[1].fd)
+}
+
+// openRevertPair opens the volumes a and b (opA and opB are for messages).
+func (p *Pool) openRevertPair(rootfd int, a, b, opA, opB string) (revertPair, error) {
+	var v revertPair
+	var err error
+	if v[0].fd, v[0].flags, v[0].id, err = p.openRevertVolume(rootfd, a, opA); err != nil {
+		return v, err
+	}
+	if v[1].fd, v[1].flags, v[1].id, err = p.openRevertVolume(rootfd, b, opB); err != nil {
+		unix.Close(v[0].fd)
+		return v, err
+	}
+	return v, nil
 }
 
 // openRevertVolume opens the volume name and returns it with its subvolume flags and
