@@ -502,37 +502,40 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	if err := markRollback(e.cfg.DataDir, sb.ID, ck.ID); err != nil {
 		return false, err
 	}
+	var hooks isolation.RollbackHooks
 	pl := e.planRevert(ctx, sb, ck)
-	var quiesced func(context.Context)
-	if pl.pr != nil {
-		quiesced = pl.quiesced
+	if pl != nil {
+		hooks.Quiesced = pl.quiesced
 	}
-	err := run(isolation.RollbackHooks{
-		Quiesced: quiesced,
-		Revert: func(ctx context.Context, asQuiesced bool) error {
-			crashPoint(killed)
-			st, planned, err := pl.revert(ctx, asQuiesced)
-			if !planned {
-				st, err = rv.Revert(ctx, sb.Root, ck.FSVolume)
+	hooks.Revert = func(ctx context.Context, asQuiesced bool) error {
+		crashPoint(killed)
+		var st storage.RevertStats
+		var planned bool
+		var err error
+		if pl != nil {
+			st, planned = pl.revert(ctx, asQuiesced)
+		}
+		if !planned {
+			st, err = rv.Revert(ctx, sb.Root, ck.FSVolume)
+		}
+		if f := phase.Of(ctx); f != nil {
+			f("revert_snapshot", msDuration(st.SnapshotMS))
+			f("revert_send", msDuration(st.SendMS))
+			f("revert_apply", msDuration(st.ApplyMS))
+		}
+		e.count(func(s *Stats) {
+			s.Reverts++
+			if planned {
+				s.PlannedReverts++
 			}
-			if f := phase.Of(ctx); f != nil {
-				f("revert_snapshot", msDuration(st.SnapshotMS))
-				f("revert_send", msDuration(st.SendMS))
-				f("revert_apply", msDuration(st.ApplyMS))
-			}
-			e.count(func(s *Stats) {
-				s.Reverts++
-				if planned {
-					s.PlannedReverts++
-				}
-				s.RevertOps += st.Ops
-				s.RevertSnapshotMS += st.SnapshotMS
-				s.RevertSendMS += st.SendMS
-				s.RevertApplyMS += st.ApplyMS
-			})
-			return err
-		},
-	})
+			s.RevertOps += st.Ops
+			s.RevertSnapshotMS += st.SnapshotMS
+			s.RevertSendMS += st.SendMS
+			s.RevertApplyMS += st.ApplyMS
+		})
+		return err
+	}
+	err := run(hooks)
 	if errors.Is(err, isolation.ErrNotResident) {
 		clearRollback(e.cfg.DataDir, sb.ID)
 		return false, nil
@@ -552,7 +555,7 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 }
 
 // revertPlan is a rollback's planned revert from its sandbox's head (see
-// rollbackInPlace); the zero value plans nothing.
+// rollbackInPlace).
 type revertPlan struct {
 	pr         storage.PlannedReverter
 	root, head string // the sandbox's root, and its head checkpoint's filesystem
@@ -566,7 +569,7 @@ type plannedRevert struct {
 	err  error
 }
 
-// planRevert starts computing the difference from sb's head checkpoint's filesystem to
+// planRevert (nil if it does not) starts computing the difference from sb's head checkpoint's filesystem to
 // ck's, if the pool can plan reverts, the head has a filesystem of its own and the root
 // still holds it as the sandbox runs (Unchanged, asked again once it is quiet: when the
 // root has changed already, which a rollback after work since the last checkpoint finds,
@@ -574,14 +577,14 @@ type plannedRevert struct {
 func (e *Engine) planRevert(ctx context.Context, sb *model.Sandbox, ck *model.Checkpoint) *revertPlan {
 	pr, ok := e.pool.(storage.PlannedReverter)
 	if !ok || sb.Head == "" {
-		return &revertPlan{}
+		return nil
 	}
 	head, err := e.db.Checkpoint(ctx, sb.Head)
 	if err != nil || head.FSVolume == "" {
-		return &revertPlan{}
+		return nil
 	}
 	if ok, err := pr.Unchanged(sb.Root, head.FSVolume); err != nil || !ok {
-		return &revertPlan{}
+		return nil
 	}
 	p := &revertPlan{pr: pr, root: sb.Root, head: head.FSVolume, plan: make(chan plannedRevert, 1), logf: e.cfg.Logf}
 	if head.FSVolume == ck.FSVolume {
@@ -598,9 +601,6 @@ func (e *Engine) planRevert(ctx context.Context, sb *model.Sandbox, ck *model.Ch
 // quiesced is the rollback's RollbackHooks.Quiesced: it asks whether the root still
 // holds the head's content.
 func (p *revertPlan) quiesced(ctx context.Context) {
-	if p.pr == nil {
-		return
-	}
 	crashPoint("rollback-quiesced")
 	t := time.Now()
 	ok, err := p.pr.Unchanged(p.root, p.head)
@@ -611,26 +611,26 @@ func (p *revertPlan) quiesced(ctx context.Context) {
 // revert applies the plan if the root held the head's content (asQuiesced: and holds
 // it again after the kill), and says whether it did; a failed apply is reported as
 // not planned, for the caller's Revert, which converges from where it stopped.
-func (p *revertPlan) revert(ctx context.Context, asQuiesced bool) (storage.RevertStats, bool, error) {
-	if p.pr == nil || !p.unchanged || !asQuiesced {
-		return storage.RevertStats{}, false, nil
+func (p *revertPlan) revert(ctx context.Context, asQuiesced bool) (storage.RevertStats, bool) {
+	if !p.unchanged || !asQuiesced {
+		return storage.RevertStats{}, false
 	}
 	t := time.Now()
 	r := <-p.plan
 	phase.Since(ctx, "revert_wait_plan", t)
 	if r.err != nil {
 		p.logf("revert of %s: plan from %s: %v; comparing the root itself", p.root, p.head, r.err)
-		return storage.RevertStats{}, false, nil
+		return storage.RevertStats{}, false
 	}
 	if r.plan == nil {
-		return storage.RevertStats{}, true, nil // the root is the target's already
+		return storage.RevertStats{}, true // the root is the target's already
 	}
 	st, err := p.pr.RevertPlanned(ctx, p.root, r.plan)
 	if err != nil {
 		p.logf("revert of %s: planned from %s: %v; comparing the root itself", p.root, p.head, err)
-		return st, false, nil
+		return st, false
 	}
-	return st, true, nil
+	return st, true
 }
 
 // msDuration converts milliseconds as RevertStats holds them.

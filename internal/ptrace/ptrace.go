@@ -276,7 +276,7 @@ func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 		}
 		now := time.Now()
 		if now.After(deadline) {
-			return 0, fmt.Errorf("process %d did not stop within %s (state %s)", t.Pid, timeout, procState(t.Pid))
+			return 0, fmt.Errorf("process %d did not stop within %s (state %s)", t.Pid, timeout, ProcState(t.Pid))
 		}
 		switch waited := now.Sub(start); {
 		case waited < spinFor:
@@ -392,7 +392,7 @@ func (t *Tracee) Unpark() {
 // Restore writes the tracee's own registers back after injected calls.
 func (t *Tracee) Restore() error {
 	if err := unix.PtraceSetRegs(t.Pid, &t.saved); err != nil {
-		if errors.Is(err, unix.ESRCH) && procState(t.Pid) == "gone" {
+		if errors.Is(err, unix.ESRCH) && ProcState(t.Pid) == "gone" {
 			t.setInjected(false) // dead and reaped: no window any more
 		}
 		return fmt.Errorf("ptrace setregs %d: %w", t.Pid, err)
@@ -439,8 +439,9 @@ func (t *Tracee) Kill() error {
 	}
 }
 
-// procState is the state letter of pid from /proc, for error messages.
-func procState(pid int) string {
+// ProcState is the state letter of pid in /proc/<pid>/stat ("R", "S", "T", "Z", ...),
+// "gone" if it has no entry there.
+func ProcState(pid int) string {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
 		return "gone"

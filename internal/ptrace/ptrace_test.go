@@ -208,7 +208,7 @@ func (c *child) ask(t *testing.T) []string {
 // waitState waits until pid is in the given state (of /proc/PID/stat).
 func waitState(t *testing.T, pid int, state string) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); procState(pid) != state; time.Sleep(time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); ProcState(pid) != state; time.Sleep(time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("process %d did not reach state %s", pid, state)
 		}

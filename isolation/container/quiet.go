@@ -1,12 +1,10 @@
 package container
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"os"
 	"slices"
-	"strconv"
 	"time"
 	"unsafe"
 
@@ -14,6 +12,7 @@ import (
 
 	"github.com/cairn-sandbox/cairn/internal/initctl"
 	"github.com/cairn-sandbox/cairn/internal/phase"
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
 )
 
@@ -120,16 +119,8 @@ func stopAllButInit(sb *isolation.Sandbox) (signalled []int, ok bool) {
 // stoppedOrGone reports whether the process is stopped (by a signal or a tracer), a
 // zombie, or gone.
 func stoppedOrGone(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return true
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || i+2 >= len(b) {
-		return false
-	}
-	switch b[i+2] {
-	case 'T', 't', 'Z', 'X':
+	switch ptrace.ProcState(pid) {
+	case "T", "t", "Z", "X", "gone":
 		return true
 	}
 	return false

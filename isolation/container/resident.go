@@ -230,21 +230,11 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	}
 	phase.Since(ctx, "record", t)
 	adoptStrays(rec, sb)
-	// A background CRIU (a durable copy, dumping from inside) writes in the root too:
-	// it is held before the kill, so that what hooks.Quiesced sees of the root stays.
-	t = time.Now()
-	release, err := holdCRIU(sb.CgroupName())
+	release, asQuiesced, err := holdAndKill(ctx, sb, hooks.Quiesced)
 	if err != nil {
 		return err
 	}
 	defer release()
-	phase.Since(ctx, "hold_criu", t)
-	t = time.Now()
-	asQuiesced, err := quietKill(ctx, sb, hooks.Quiesced)
-	if err != nil {
-		return err
-	}
-	phase.Since(ctx, "kill", t)
 	// The root is reverted on another thread from here on, the longest part of a
 	// rollback: it may begin once the processes are reaped (init has written their exit
 	// records) and CRIU is held, as nothing else writes there until the reload, and it
@@ -326,32 +316,39 @@ func (b *Backend) reload(ctx context.Context, sb *isolation.Sandbox) error {
 	return resp.Err(sb.ID, "reload processes")
 }
 
-// killAndRevert begins a rollback in place by images: it holds a CRIU dumping a zygote
-// of sb from inside (in the background: it starts processes in the namespace, which
-// could take a PID to give back, and writes in the root) until release, kills every
-// process of sb but init and reverts its root.
+// killAndRevert begins a rollback in place by images: holdAndKill, then the revert of
+// its root.
 func killAndRevert(ctx context.Context, sb *isolation.Sandbox, hooks isolation.RollbackHooks) (release func(), err error) {
-	t := time.Now()
-	release, err = holdCRIU(sb.CgroupName())
+	release, asQuiesced, err := holdAndKill(ctx, sb, hooks.Quiesced)
 	if err != nil {
 		return nil, err
 	}
-	phase.Since(ctx, "hold_criu", t)
-	// Init records each death before it reaps the process (cmd/cairn-init reap): once
-	// their PIDs are gone, nothing more is written for them, and the revert removes what
-	// was (or quietKill already did).
-	t = time.Now()
-	asQuiesced, err := quietKill(ctx, sb, hooks.Quiesced)
-	if err != nil {
-		release()
-		return nil, err
-	}
-	phase.Since(ctx, "kill", t)
 	if err := hooks.Revert(ctx, asQuiesced); err != nil {
 		release()
 		return nil, fmt.Errorf("revert the root of %s: %w", sb.ID, err)
 	}
 	return release, nil
+}
+
+// holdAndKill begins a rollback in place: it holds the sandbox's background CRIU (a
+// durable copy, dumping a zygote from inside, writes in the root and starts processes
+// in the namespace, which could take a PID to give back) until release, so that what
+// quiesced sees of the root stays, then kills every process of sb but init (quietKill:
+// init records each death before it reaps the process, and once their PIDs are gone
+// nothing more is written for them). asQuiesced is quietKill's.
+func holdAndKill(ctx context.Context, sb *isolation.Sandbox, quiesced func(context.Context)) (release func(), asQuiesced bool, err error) {
+	t := time.Now()
+	if release, err = holdCRIU(sb.CgroupName()); err != nil {
+		return nil, false, err
+	}
+	phase.Since(ctx, "hold_criu", t)
+	t = time.Now()
+	if asQuiesced, err = quietKill(ctx, sb, quiesced); err != nil {
+		release()
+		return nil, false, err
+	}
+	phase.Since(ctx, "kill", t)
+	return release, asQuiesced, nil
 }
 
 // adoptStrays moves into the sandbox's freezer cgroup the strays of rec's zygotes

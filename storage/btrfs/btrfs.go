@@ -105,6 +105,11 @@ type Pool struct {
 
 	mu     sync.RWMutex
 	rootfd int // directory descriptor of dir; -1 once closed; protected by mu
+
+	// dataSpace is the sysfs directory of the filesystem's data space (Unchanged),
+	// found once.
+	dataSpaceMu sync.Mutex
+	dataSpace   string
 }
 
 var _ storage.Pool = (*Pool)(nil)

@@ -88,12 +88,19 @@ func (p *Pool) Unchanged(live, base string) (bool, error) {
 // data space are zero. A filesystem with mixed block groups has no data space of its
 // own, and reports false.
 func (p *Pool) noDataInFlight(rootfd int) (bool, error) {
-	fi, err := fsInfo(rootfd)
-	if err != nil {
-		return false, p.opError("unchanged: inspect the filesystem of", p.dir, err)
+	p.dataSpaceMu.Lock()
+	dir := p.dataSpace
+	if dir == "" {
+		fi, err := fsInfo(rootfd)
+		if err != nil {
+			p.dataSpaceMu.Unlock()
+			return false, p.opError("unchanged: inspect the filesystem of", p.dir, err)
+		}
+		u := fi.fsid
+		dir = fmt.Sprintf("/sys/fs/btrfs/%x-%x-%x-%x-%x/allocation/data/", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+		p.dataSpace = dir
 	}
-	u := fi.fsid
-	dir := fmt.Sprintf("/sys/fs/btrfs/%x-%x-%x-%x-%x/allocation/data/", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+	p.dataSpaceMu.Unlock()
 	for _, f := range []string{"bytes_may_use", "bytes_reserved"} {
 		b, err := os.ReadFile(dir + f)
 		if errors.Is(err, os.ErrNotExist) {
@@ -157,20 +164,13 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
 	}
 	t := time.Now()
-	cmds, err := sendDiff(snapfd, baseID)
-	pl := &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t)}
-	if err == nil && (len(cmds) == 0 || cmds[0].cmd != sendCmdSnapshot) {
-		err = fmt.Errorf("%w: the stream does not start with a snapshot command", errSendStream)
+	cmds, err := p.send(snapfd, baseID, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
+		return p.opError("plan a revert to", snapshot, err)
+	})
+	if err != nil {
+		return nil, err
 	}
-	switch {
-	case err == nil:
-		return pl, nil
-	case errors.Is(err, errSendStream):
-		return nil, fmt.Errorf("btrfs pool %s: plan a revert from %q to %q: %w (report this as a bug)", p.dir, base, snapshot, err)
-	case errors.Is(err, unix.EAGAIN):
-		return nil, errdefs.Unavailable("btrfs pool %s: plan a revert from %q to %q: the kernel refused to send while a deduplication or balance runs on the volumes; retry later: %w", p.dir, base, snapshot, err)
-	}
-	return nil, p.opError("plan a revert to", snapshot, err)
+	return &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t)}, nil
 }
 
 // RevertPlanned implements storage.PlannedReverter.

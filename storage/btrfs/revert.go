@@ -212,21 +212,31 @@ func (p *Pool) revertDiff(rootfd, livefd int, live string, snapfd int, st *stora
 	st.SnapshotMS = msSince(t)
 
 	t = time.Now()
-	cmds, err = sendDiff(snapfd, tmpID)
+	cmds, err = p.send(snapfd, tmpID, fmt.Sprintf("revert %q", live), func(err error) error {
+		return p.opError("revert: compare with the snapshot", live, err)
+	})
 	st.SendMS = msSince(t)
+	return cmds, err
+}
+
+// send returns the no-data send stream of the read-only volume snapfd with the volume
+// parentID as its parent (sendDiff), checked to begin with its SNAPSHOT header; what
+// names the operation in messages, and other turns the errors of no class of their own
+// into the caller's.
+func (p *Pool) send(snapfd int, parentID uint64, what string, other func(error) error) ([]*sendCommand, error) {
+	cmds, err := sendDiff(snapfd, parentID)
+	if err == nil && (len(cmds) == 0 || cmds[0].cmd != sendCmdSnapshot) {
+		err = fmt.Errorf("%w: the stream does not start with a snapshot command", errSendStream)
+	}
 	switch {
 	case err == nil:
+		return cmds, nil
 	case errors.Is(err, errSendStream):
-		return nil, fmt.Errorf("btrfs pool %s: revert %q: %w (nothing was changed; report this as a bug)", p.dir, live, err)
+		return nil, fmt.Errorf("btrfs pool %s: %s: %w (nothing was changed; report this as a bug)", p.dir, what, err)
 	case errors.Is(err, unix.EAGAIN):
-		return nil, errdefs.Unavailable("btrfs pool %s: revert %q: the kernel refused to send while a deduplication or balance runs on the volumes; retry later: %w", p.dir, live, err)
-	default:
-		return nil, p.opError("revert: compare with the snapshot", live, err)
+		return nil, errdefs.Unavailable("btrfs pool %s: %s: the kernel refused to send while a deduplication or balance runs on the volumes; retry later: %w", p.dir, what, err)
 	}
-	if len(cmds) == 0 || cmds[0].cmd != sendCmdSnapshot {
-		return nil, fmt.Errorf("btrfs pool %s: revert %q: %w: the stream does not start with a snapshot command (nothing was changed)", p.dir, live, errSendStream)
-	}
-	return cmds, nil
+	return nil, other(err)
 }
 
 // partlyReverted wraps an apply failure err after done of total operations, with the

@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
 )
 
 // procDir is /proc/<pid>.
@@ -98,19 +100,6 @@ func Children(pid int) ([]int, error) {
 	return out, nil
 }
 
-// stateOf is the state letter of /proc/<pid>/stat.
-func stateOf(pid int) string {
-	b, err := os.ReadFile(procDir(pid) + "/stat")
-	if err != nil {
-		return "gone"
-	}
-	s := string(b)
-	if i := strings.LastIndexByte(s, ')'); i > 0 && i+2 < len(s) {
-		return s[i+2 : i+3]
-	}
-	return "?"
-}
-
 // sessionOf returns the session and process group IDs of pid (in its pid namespace).
 func sessionOf(pid int) (sid, pgid int, err error) {
 	b, err := os.ReadFile(procDir(pid) + "/stat")
@@ -134,7 +123,7 @@ func sessionOf(pid int) (sid, pgid int, err error) {
 // checkBefore rejects a process that cannot be seized or captured, from what can be
 // read before stopping it.
 func checkBefore(pid, init int) error {
-	switch st := stateOf(pid); st {
+	switch st := ptrace.ProcState(pid); st {
 	case "Z", "X":
 		return ineligible("process %d has exited and init has not reaped it yet", pid)
 	case "T", "t":
