@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/mountinfo"
 )
 
 var (
@@ -392,44 +393,19 @@ func (e *internalError) Unwrap() error { return errdefs.ErrInternal }
 // unmountUnder detaches anything still mounted below dir: a safety net for when
 // debootstrap ran without a private mount namespace and was killed before its cleanup.
 func unmountUnder(dir string) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	ms, err := mountinfo.Read(0)
 	if err != nil {
 		return
 	}
 	var mps []string
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 5 {
-			continue
-		}
-		mp := unescapeMountinfo(f[4])
-		if strings.HasPrefix(mp, dir+"/") {
-			mps = append(mps, mp)
+	for _, m := range ms {
+		if strings.HasPrefix(m.MountPoint, dir+"/") {
+			mps = append(mps, m.MountPoint)
 		}
 	}
 	for i := len(mps) - 1; i >= 0; i-- { // deepest (latest) first
 		_ = unix.Unmount(mps[i], unix.MNT_DETACH)
 	}
-}
-
-// unescapeMountinfo decodes the octal escapes (\040 for space...) of mountinfo paths.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			var v int
-			if _, err := fmt.Sscanf(s[i+1:i+4], "%03o", &v); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // finishDebian makes the fresh tree a template: a placeholder hostname, an empty

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/mountinfo"
 )
 
 // requireRoot skips the test unless it runs as root (loop devices, mount and btrfs ioctls
@@ -698,4 +699,88 @@ func BenchmarkSnapshot(b *testing.B) {
 		must(b, p.Snapshot(ctx, "src", fmt.Sprintf("snaps/s%d", i), true))
 		i++
 	}
+}
+
+// discardOption returns the discard option of the mount at dir ("" if none).
+func discardOption(tb testing.TB, dir string) string {
+	tb.Helper()
+	ms, err := mountinfo.Read(0)
+	must(tb, err)
+	opt, found := "", false
+	for _, m := range ms {
+		if m.MountPoint != dir {
+			continue
+		}
+		found, opt = true, ""
+		for _, o := range m.SuperOptions {
+			if o == "discard" || strings.HasPrefix(o, "discard=") {
+				opt = o
+			}
+		}
+	}
+	if !found {
+		tb.Fatalf("nothing mounted at %s", dir)
+	}
+	return opt
+}
+
+// A pool's filesystem discards nothing while it runs (each discard punches a hole in
+// the image file, behind which the snapshots' commits waited); Open trims it once it
+// has mounted it, and turns an older mount's discard off.
+func TestOpenMountsWithoutDiscard(t *testing.T) {
+	requireRoot(t)
+	if got := iocFitrim; got != 0xC0185879 {
+		t.Fatalf("FITRIM = %#x; want 0xc0185879", got)
+	}
+	cfg := testConfig(t, 1<<30)
+	p := openTest(t, cfg)
+	if o := discardOption(t, cfg.Dir); o != "" {
+		t.Fatalf("pool mounted with %s; want no discard", o)
+	}
+	// Space freed while mounted stays in the image file until a trim.
+	ctx := context.Background()
+	must(t, p.Create(ctx, "big"))
+	blob := make([]byte, 64<<20)
+	for i := range blob {
+		blob[i] = byte(i*7 + i>>12)
+	}
+	syncfs := func() {
+		fd, err := unix.Open(cfg.Dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		must(t, err)
+		err = unix.Syncfs(fd) // a commit, which frees the extents of deleted files
+		unix.Close(fd)
+		must(t, err)
+	}
+	blobPath := filepath.Join(p.Path("big"), "blob")
+	must(t, os.WriteFile(blobPath, blob, 0o600))
+	syncfs()
+	must(t, os.Remove(blobPath))
+	syncfs()
+	before := allocated(t, cfg.Image)
+	trim(cfg.Dir)
+	after := allocated(t, cfg.Image)
+	t.Logf("image file: %d MiB allocated before the trim, %d MiB after", before>>20, after>>20)
+	if before-after < 48<<20 {
+		t.Errorf("trim gave back %d bytes of the image file; want the deleted 64 MiB", before-after)
+	}
+
+	// A mount with btrfs's default discard (an earlier cairn's) is remounted without.
+	must(t, unix.Mount("", cfg.Dir, "", unix.MS_REMOUNT|unix.MS_NOATIME, "discard=async"))
+	if o := discardOption(t, cfg.Dir); o == "" {
+		t.Fatal("remount with discard=async did not take; cannot test the fix-up")
+	}
+	p2, err := Open(ctx, cfg)
+	must(t, err)
+	defer p2.Close()
+	if o := discardOption(t, cfg.Dir); o != "" {
+		t.Errorf("Open left the pool mounted with %s; want no discard", o)
+	}
+}
+
+// allocated returns the bytes allocated to a file on its filesystem.
+func allocated(tb testing.TB, path string) int64 {
+	tb.Helper()
+	var st unix.Stat_t
+	must(tb, unix.Stat(path, &st))
+	return st.Blocks * 512
 }

@@ -91,6 +91,12 @@ var (
 	iocInoLookupUser    = ioc(iocRead|iocWrite, 62, unsafe.Sizeof(inoLookupUserArgs{})) // BTRFS_IOC_INO_LOOKUP_USER
 )
 
+// fstrimRange is struct fstrim_range (include/uapi/linux/fs.h), FITRIM's argument.
+type fstrimRange struct{ start, len, minlen uint64 }
+
+// iocFitrim is FITRIM, _IOWR('X', 121, struct fstrim_range): not a btrfs ioctl.
+var iocFitrim = (iocRead|iocWrite)<<30 | unsafe.Sizeof(fstrimRange{})<<16 | 'X'<<8 | 121
+
 func ioctl(fd int, req uintptr, arg unsafe.Pointer) error {
 	for {
 		_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), req, uintptr(arg))

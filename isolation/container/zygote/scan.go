@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cairn-sandbox/cairn/internal/mountinfo"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 )
 
@@ -217,16 +218,13 @@ func pathInode(pid int, link string) (Inode, error) {
 
 // rootMount is the mount ID of the root filesystem as pid sees it.
 func rootMount(pid int) (int, error) {
-	f, err := os.Open(procDir(pid) + "/mountinfo")
+	ms, err := mountinfo.Read(pid)
 	if err != nil {
 		return 0, err
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fl := strings.Fields(sc.Text())
-		if len(fl) > 4 && fl[4] == "/" {
-			return strconv.Atoi(fl[0])
+	for _, m := range ms {
+		if m.MountPoint == "/" {
+			return m.ID, nil
 		}
 	}
 	return 0, fmt.Errorf("process %d: no root in its mountinfo", pid)
