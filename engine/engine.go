@@ -138,6 +138,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if os.Geteuid() != 0 {
 		return nil, errdefs.PermissionDenied("cairn needs root (namespaces, cgroups, CRIU, btrfs): run it with sudo")
 	}
+	spareProcs()
 	if cfg.DataDir == "" {
 		cfg.DataDir = DefaultDataDir
 	}
