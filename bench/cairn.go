@@ -55,8 +55,8 @@ func settleDeletions(ctx context.Context, root string) {
 }
 
 // settleWait bounds settleDeletions: a deleted volume still in use is freed only once
-// its last user goes.
-const settleWait = 20 * time.Second
+// its last user goes. A W1 run with its baselines leaves ~20 s of deletions.
+const settleWait = 60 * time.Second
 
 // growth runs f and returns how many bytes the filesystem at root gained meanwhile.
 func growth(root string, f func() error) (float64, error) {
