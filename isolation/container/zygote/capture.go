@@ -42,6 +42,9 @@ type CaptureOptions struct {
 	// Phase, if set, is told how long each phase took ("stop", "zygote_scan",
 	// "zygote_fork", "zygotes", "fs", "resume"), from two goroutines at once.
 	Phase func(name string, d time.Duration)
+
+	// rootMounts are the root mount IDs of the mount namespaces seen so far.
+	rootMounts map[string]int
 }
 
 func (o *CaptureOptions) report(name string, start time.Time) {
@@ -197,7 +200,22 @@ func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
 // scan records a stopped process (what /proc shows, and what only the process can tell
 // about itself) and names its zygote's cgroup.
 func (o *CaptureOptions) scan(p *ptrace.Tracee) (*Proc, error) {
-	zp, err := scan(p.Pid)
+	// The processes of a sandbox share its mount namespace: its mountinfo is read once.
+	ns, err := os.Readlink(procDir(p.Pid) + "/ns/mnt")
+	if err != nil {
+		return nil, err
+	}
+	root, ok := o.rootMounts[ns]
+	if !ok {
+		if root, err = rootMount(p.Pid); err != nil {
+			return nil, err
+		}
+		if o.rootMounts == nil {
+			o.rootMounts = map[string]int{}
+		}
+		o.rootMounts[ns] = root
+	}
+	zp, err := scan(p.Pid, root)
 	if err != nil {
 		return nil, err
 	}
@@ -248,7 +266,7 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 		zp.ZygoteNSPid, err = NSPid(z.Pid)
 	}
 	if err == nil {
-		err = sameMappings(p.Pid, z.Pid)
+		err = sameMappings(p.Pid, zp.ranges, z.Pid)
 	}
 	regs := p.Regs()
 	zp.Regs = &regs
@@ -264,12 +282,9 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 }
 
 // sameMappings rejects a process with mappings that fork left out of its copy
-// (MADV_DONTFORK).
-func sameMappings(pid, zygote int) error {
-	a, err := mapRanges(pid)
-	if err != nil {
-		return err
-	}
+// (MADV_DONTFORK). a are the process's ranges (scanMaps), unchanged since: it is
+// stopped, and the scratch page of inherited is unmapped again.
+func sameMappings(pid int, a []string, zygote int) error {
 	b, err := mapRanges(zygote)
 	if err != nil {
 		return err

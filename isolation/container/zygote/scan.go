@@ -1,9 +1,9 @@
 package zygote
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -147,7 +147,10 @@ func checkBefore(pid, init int) error {
 // process cannot be a zygote.
 //
 // Preconditions: pid is stopped by us (ptrace).
-func scan(pid int) (*Proc, error) {
+//
+// rootMnt is the mount ID of the process's root (rootMount), which the processes of a
+// sandbox share.
+func scan(pid, rootMnt int) (*Proc, error) {
 	st, err := readStatus(pid)
 	if err != nil {
 		return nil, err
@@ -174,10 +177,6 @@ func scan(pid int) (*Proc, error) {
 		return nil, ineligible("process %d has POSIX timers", pid)
 	}
 	p := &Proc{NSPid: st.nsPid}
-	rootMnt, err := rootMount(pid)
-	if err != nil {
-		return nil, err
-	}
 	if root, _ := os.Readlink(procDir(pid) + "/root"); root != "/" {
 		return nil, ineligible("process %d runs chrooted (%s)", pid, root)
 	}
@@ -190,7 +189,7 @@ func scan(pid int) (*Proc, error) {
 	if p.Fds, err = scanFds(pid, rootMnt); err != nil {
 		return nil, err
 	}
-	if p.Maps, err = scanMaps(pid); err != nil {
+	if p.Maps, p.ranges, err = scanMaps(pid); err != nil {
 		return nil, err
 	}
 	if p.Locks, err = locksOf(pid, p.Fds); err != nil {
@@ -387,41 +386,63 @@ func peekPipe(link string) ([]byte, error) {
 
 // scanMaps records the file-backed mappings, and rejects shared writable memory (a
 // zygote would keep sharing it with the process it copies) and deleted files.
-func scanMaps(pid int) ([]Map, error) {
-	f, err := os.Open(procDir(pid) + "/maps")
+// It returns the address ranges of all mappings too.
+func scanMaps(pid int) ([]Map, []string, error) {
+	b, err := readProc(procDir(pid) + "/maps")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	defer f.Close()
 	var out []Map
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fl := strings.SplitN(sc.Text(), " ", 6)
+	var ranges []string
+	for _, l := range strings.Split(string(b), "\n") {
+		fl := strings.SplitN(l, " ", 6)
 		if len(fl) < 5 {
 			continue
 		}
+		ranges = append(ranges, fl[0])
 		perms := fl[1]
 		path := ""
 		if len(fl) == 6 {
 			path = strings.TrimSpace(fl[5])
 		}
 		if perms[3] == 's' && perms[1] == 'w' {
-			return nil, ineligible("process %d maps shared writable memory (%s)", pid, orAnon(path))
+			return nil, nil, ineligible("process %d maps shared writable memory (%s)", pid, orAnon(path))
 		}
 		if !strings.HasPrefix(path, "/") {
 			continue // anonymous, [heap], [stack], [vdso], [vvar]
 		}
 		if strings.HasSuffix(path, " (deleted)") {
-			return nil, ineligible("process %d maps a deleted file (%s)", pid, path)
+			return nil, nil, ineligible("process %d maps a deleted file (%s)", pid, path)
 		}
 		lo, _, _ := strings.Cut(fl[0], "-")
 		start, err := strconv.ParseUint(lo, 16, 64)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		out = append(out, Map{Start: start, Path: path})
 	}
-	return out, sc.Err()
+	return out, ranges, nil
+}
+
+// readProc reads a /proc file of unknown size in one read where it fits 64 KiB: each
+// read of a seq_file walks its records again from where the last stopped, and a
+// process's maps read line by line took 140-170 µs against 45 µs in one read (a
+// Python process of 31 mappings).
+func readProc(name string) ([]byte, error) {
+	f, err := os.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	buf := make([]byte, 64<<10)
+	n, err := f.Read(buf)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, err
+	}
+	if n < len(buf) {
+		return buf[:n], nil
+	}
+	return os.ReadFile(name) // larger: from the start again
 }
 
 func orAnon(path string) string {
@@ -434,7 +455,7 @@ func orAnon(path string) string {
 // mapRanges are the address ranges of pid's mappings, to compare a zygote's with its
 // original's (a range marked MADV_DONTFORK is missing in the zygote).
 func mapRanges(pid int) ([]string, error) {
-	b, err := os.ReadFile(procDir(pid) + "/maps")
+	b, err := readProc(procDir(pid) + "/maps")
 	if err != nil {
 		return nil, err
 	}

@@ -98,6 +98,9 @@ type Proc struct {
 
 	// spawned is the process Spawn forked from the zygote, until park detaches it.
 	spawned *ptrace.Tracee
+	// ranges are the address ranges of the process's mappings when it was scanned,
+	// to compare its zygote's with (not recorded).
+	ranges []string
 }
 
 // Inode names a file of the sandbox's root by path, with the identity it had.
