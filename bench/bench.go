@@ -254,6 +254,7 @@ func (b *runner) runWorkloads(ctx context.Context) error {
 // runW1 sets W1 up, runs every measurement, then the baselines, and cleans up.
 func (b *runner) runW1(ctx context.Context) (err error) {
 	n := b.opts.Iterations
+	b.settle(ctx)
 	b.phase("setting up the W1 sandbox (repo, REPL with a 40 MB dict, sqlite, bash)")
 	b.w, err = setupW1(ctx, b.e, b.iso)
 	if b.w != nil {

@@ -54,6 +54,20 @@ func settleDeletions(ctx context.Context, root string) {
 	exec.CommandContext(ctx, "btrfs", "subvolume", "sync", root).Run() // best effort
 }
 
+// settle waits, before a workload's sandbox is set up, for the volumes deleted earlier
+// on the pool (by an earlier run or workload), and says so: btrfs's cleaner drops them
+// for seconds (182 after a W1 run: 8 s), and its transactions slowed the snapshots of a
+// run that started at once (checkpoint snapshot p50 15-23 ms against 8.5 after a
+// settled pool, docs/performance.md).
+func (b *runner) settle(ctx context.Context) {
+	root := b.e.PoolPath("")
+	out, err := exec.CommandContext(ctx, "btrfs", "subvolume", "list", "-d", root).Output()
+	if n := strings.Count(string(out), "\n"); err == nil && n > 0 {
+		b.phase("waiting until btrfs has dropped the %d volumes deleted earlier (off the clock, at most %s)", n, settleWait)
+		settleDeletions(ctx, root)
+	}
+}
+
 // settleWait bounds settleDeletions: a deleted volume still in use is freed only once
 // its last user goes. A W1 run with its baselines leaves ~20 s of deletions.
 const settleWait = 60 * time.Second

@@ -77,6 +77,7 @@ func uct(nodes []*node, total int, skip string) *node {
 func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	const expansions = 100
 	rep := &W2Report{Expansions: expansions}
+	b.settle(ctx)
 	b.phase("W2 floor: %d steps without snapshots", expansions)
 	floor, err := setupW1(ctx, b.e, b.iso)
 	if err != nil {
@@ -101,6 +102,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		return nil, fmt.Errorf("remove the floor's sandbox: %w", err)
 	}
 
+	b.settle(ctx)
 	b.phase("W2 search: %d expansions, 49 of them after a rollback", expansions)
 	b.w, err = setupW1(ctx, b.e, b.iso)
 	if b.w != nil {
@@ -169,6 +171,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 func (b *runner) runW3(ctx context.Context, rounds int) (*W3Report, error) {
 	const fan = 16
 	rep := &W3Report{Sandboxes: fan, Rounds: rounds}
+	b.settle(ctx)
 	var err error
 	b.w, err = setupW1(ctx, b.e, b.iso)
 	if b.w != nil {

@@ -90,11 +90,6 @@ func run(ctx context.Context, e *engine.Engine, id string, args ...string) (stri
 
 // setupW1 creates the W1 sandbox from template "debian" and brings it to W1's state.
 func setupW1(ctx context.Context, e *engine.Engine, iso string) (*w1, error) {
-	// The volumes an earlier run (or workload) deleted are still being dropped by btrfs's
-	// cleaner for seconds (182 after a W1 run: 8 s), and its transactions slowed this
-	// run's snapshots: checkpoint snapshot p50 8.5 ms in a run after a settled pool, 15-23
-	// ms in runs started at once after another (docs/performance.md).
-	settleDeletions(ctx, e.PoolPath(""))
 	sb, err := e.Create(ctx, model.CreateOptions{Template: "debian", Isolation: iso, Labels: map[string]string{"bench": "w1"}})
 	if err != nil {
 		return nil, fmt.Errorf("create: %w", err)
