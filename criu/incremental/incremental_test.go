@@ -36,11 +36,15 @@ def checksum(sig, frm):
         f.write(hashlib.sha256(buf).hexdigest())
     os.rename(p + '.tmp', p)
 def change(sig, frm):
-    # ~1 MiB of scattered pages, at a place that differs per process and generation.
-    gen[0] += 1
-    base = ((gen[0] * 3 + os.getpid() % 5) << 20) % (size - (2 << 20))
-    for i in range(base, base + (2 << 20), 8192):
-        buf[i+100:i+108] = b'gen%05d' % gen[0]
+    # ~1 MiB of scattered pages, at a place that differs per process and generation,
+    # once per generation asked for (the signal is repeated if it seems lost).
+    with open(out + '.want') as f:
+        want = int(f.read())
+    if gen[0] < want:
+        gen[0] = want
+        base = ((gen[0] * 3 + os.getpid() % 5) << 20) % (size - (2 << 20))
+        for i in range(base, base + (2 << 20), 8192):
+            buf[i+100:i+108] = b'gen%05d' % gen[0]
     open('%s.changed-%d-%d' % (out, os.getpid(), gen[0]), 'w').close()
 signal.signal(signal.SIGUSR1, checksum)
 signal.signal(signal.SIGUSR2, change)
@@ -142,13 +146,32 @@ func waitFile(t testing.TB, path string) {
 	t.Fatalf("%s did not appear", path)
 }
 
-// change makes every process of the tree rewrite ~1 MiB of its buffer.
+// change makes every process of the tree rewrite ~1 MiB of its buffer, as generation
+// gen (1, 2, ...). The signal is repeated until the answer comes, as in sums: one sent
+// while CRIU still holds the tree (just after a dump that leaves it running, or a
+// restore) can be lost; the generation asked for is in a file, so a repeated signal
+// changes nothing twice.
 func (tr *tree) change(gen int) {
-	for _, p := range tr.pids {
-		syscall.Kill(p, syscall.SIGUSR2)
+	if err := os.WriteFile(tr.out+".want", []byte(strconv.Itoa(gen)), 0o600); err != nil {
+		tr.t.Fatal(err)
 	}
 	for _, p := range tr.pids {
-		waitFile(tr.t, fmt.Sprintf("%s.changed-%d-%d", tr.out, p, gen))
+		f := fmt.Sprintf("%s.changed-%d-%d", tr.out, p, gen)
+		answered := false
+		for i := 0; i < 60 && !answered; i++ {
+			if err := syscall.Kill(p, syscall.SIGUSR2); err != nil {
+				tr.t.Fatalf("signal %d: %v", p, err)
+			}
+			for j := 0; j < 100 && !answered; j++ {
+				_, err := os.Stat(f)
+				answered = err == nil
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+		if !answered {
+			st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", p))
+			tr.t.Fatalf("process %d does not answer: %s", p, st)
+		}
 	}
 }
 
