@@ -80,25 +80,30 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	b.settle(ctx)
 	b.phase("W2 floor: %d steps without snapshots", expansions)
 	floor, err := setupW1(ctx, b.e, b.iso)
-	if err != nil {
-		if floor != nil {
-			b.e.Remove(context.WithoutCancel(ctx), floor.id)
+	// Removed before the search (and on any failure before it): its last steps' data,
+	// not yet written back (btrfs commits every 30 s), would hold a data reservation of
+	// the pool's filesystem (~17 MB), which makes every root look changed to a planned
+	// revert (storage/btrfs/plan.go): one run planned none of its 49 reverts.
+	removeFloor := func(ctx context.Context) error {
+		if floor == nil {
+			return nil
 		}
+		id := floor.id
+		floor = nil
+		return b.e.Remove(ctx, id)
+	}
+	defer removeFloor(context.WithoutCancel(ctx))
+	if err != nil {
 		return nil, err
 	}
 	start := time.Now()
 	for i := 0; i < expansions; i++ {
 		if err := floor.step(ctx); err != nil {
-			b.e.Remove(context.WithoutCancel(ctx), floor.id)
 			return nil, err
 		}
 	}
 	rep.FloorS = time.Since(start).Seconds()
-	// Removed before the search: its last steps' data, not yet written back (btrfs
-	// commits every 30 s), would hold a data reservation of the pool's filesystem
-	// (~17 MB), which makes every root look changed to a planned revert
-	// (storage/btrfs/plan.go): one run planned none of its 49 reverts.
-	if err := b.e.Remove(ctx, floor.id); err != nil {
+	if err := removeFloor(ctx); err != nil {
 		return nil, fmt.Errorf("remove the floor's sandbox: %w", err)
 	}
 

@@ -16,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
-	"github.com/cairn-sandbox/cairn/internal/mountinfo"
 )
 
 // requireRoot skips the test unless it runs as root (loop devices, mount and btrfs ioctls
@@ -704,21 +703,9 @@ func BenchmarkSnapshot(b *testing.B) {
 // discardOption returns the discard option of the mount at dir ("" if none).
 func discardOption(tb testing.TB, dir string) string {
 	tb.Helper()
-	ms, err := mountinfo.Read(0)
+	opt, mounted, err := discardAt(dir)
 	must(tb, err)
-	opt, found := "", false
-	for _, m := range ms {
-		if m.MountPoint != dir {
-			continue
-		}
-		found, opt = true, ""
-		for _, o := range m.SuperOptions {
-			if o == "discard" || strings.HasPrefix(o, "discard=") {
-				opt = o
-			}
-		}
-	}
-	if !found {
+	if !mounted {
 		tb.Fatalf("nothing mounted at %s", dir)
 	}
 	return opt

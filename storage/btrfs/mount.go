@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strings"
 	"time"
 	"unsafe"
@@ -68,23 +67,35 @@ const mountOptions = "nodiscard"
 // noDiscard remounts dir, a pool filesystem mounted by an earlier cairn with btrfs's
 // default discard, with mountOptions.
 func noDiscard(dir string) error {
-	ms, err := mountinfo.Read(0)
-	if err != nil {
-		return fmt.Errorf("btrfs pool: %w", err)
-	}
-	var opts []string
-	for _, m := range ms {
-		if m.MountPoint == dir {
-			opts = m.SuperOptions // the last mount at dir is the one in effect
-		}
-	}
-	if !slices.ContainsFunc(opts, func(o string) bool { return o == "discard" || strings.HasPrefix(o, "discard=") }) {
-		return nil
+	opt, _, err := discardAt(dir)
+	if err != nil || opt == "" {
+		return err
 	}
 	if err := unix.Mount("", dir, "", unix.MS_REMOUNT|unix.MS_NOATIME, mountOptions); err != nil {
 		return fmt.Errorf("btrfs pool: remount %s %s: %w", dir, mountOptions, err)
 	}
 	return nil
+}
+
+// discardAt returns the discard option ("discard", "discard=async"; "" if none) of the
+// mount in effect at dir (the last one there), and whether anything is mounted there.
+func discardAt(dir string) (opt string, mounted bool, err error) {
+	ms, err := mountinfo.Read(0)
+	if err != nil {
+		return "", false, fmt.Errorf("btrfs pool: %w", err)
+	}
+	for _, m := range ms {
+		if m.MountPoint != dir {
+			continue
+		}
+		opt, mounted = "", true
+		for _, o := range m.SuperOptions {
+			if o == "discard" || strings.HasPrefix(o, "discard=") {
+				opt = o
+			}
+		}
+	}
+	return opt, mounted, nil
 }
 
 // trim gives the image file back the space its filesystem does not use (FITRIM: holes

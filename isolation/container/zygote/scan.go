@@ -393,13 +393,11 @@ func scanMaps(pid int) ([]Map, []string, error) {
 		return nil, nil, err
 	}
 	var out []Map
-	var ranges []string
 	for _, l := range strings.Split(string(b), "\n") {
 		fl := strings.SplitN(l, " ", 6)
 		if len(fl) < 5 {
 			continue
 		}
-		ranges = append(ranges, fl[0])
 		perms := fl[1]
 		path := ""
 		if len(fl) == 6 {
@@ -421,7 +419,7 @@ func scanMaps(pid int) ([]Map, []string, error) {
 		}
 		out = append(out, Map{Start: start, Path: path})
 	}
-	return out, ranges, nil
+	return out, rangesOf(b), nil
 }
 
 // readProc reads a /proc file of unknown size in one read where it fits 64 KiB: each
@@ -459,13 +457,18 @@ func mapRanges(pid int) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
+	return rangesOf(b), nil
+}
+
+// rangesOf returns the address range of each line of a maps file.
+func rangesOf(maps []byte) []string {
 	var out []string
-	for _, l := range strings.Split(string(b), "\n") {
+	for _, l := range strings.Split(string(maps), "\n") {
 		if r, _, ok := strings.Cut(l, " "); ok {
 			out = append(out, r)
 		}
 	}
-	return out, nil
+	return out
 }
 
 // locksOf records the POSIX locks pid holds, from the "lock:" lines of its fdinfo (not
