@@ -30,9 +30,14 @@ type BackendReport struct {
 	// RollbackPhasesP50MS is the same for W1's rollbacks (lock, lookup, kill,
 	// revert_snapshot, revert_send, revert_apply, spawn, reload, ...); a phase a
 	// rollback's path did not take is not counted for it.
-	RollbackPhasesP50MS       map[string]float64 `json:"rollback_phases_p50_ms"`
-	StorageBytesPerCheckpoint Stats              `json:"storage_bytes_per_checkpoint"`
-	ImageBytesPerCheckpoint   Stats              `json:"image_bytes_per_checkpoint"`
+	RollbackPhasesP50MS map[string]float64 `json:"rollback_phases_p50_ms"`
+	// RollbacksRewound counts the rollbacks that brought the processes back in place
+	// (a rewind), RewindsRefused those a rewind was tried for and refused (they forked
+	// from the zygotes).
+	RollbacksRewound          int   `json:"rollbacks_rewound"`
+	RewindsRefused            int   `json:"rewinds_refused"`
+	StorageBytesPerCheckpoint Stats `json:"storage_bytes_per_checkpoint"`
+	ImageBytesPerCheckpoint   Stats `json:"image_bytes_per_checkpoint"`
 	// OverheadRSSBytes is the RSS of the process Running watches: cairn-init for a
 	// container; gVisor's sentry, which also holds the sandbox's memory, for gvisor.
 	OverheadRSSBytes int64 `json:"overhead_rss_bytes"`
@@ -106,7 +111,8 @@ func (b *runner) backendReport() *BackendReport {
 		Fork1MS: r.Fork1MS, Fork4MS: r.Fork4MS, Fork16MS: r.Fork16MS, CreateMS: r.CreateMS,
 		StorageBytesPerCheckpoint: r.StorageBytesPerCheckpoint, ImageBytesPerCheckpoint: r.ImageBytesPerCheckpoint,
 		OverheadRSSBytes: r.OverheadRSSBytes, BackgroundMSPerCheckpoint: r.BackgroundMSPerCheckpoint,
-		Correctness: r.Correctness, CheckpointPhasesP50MS: p50s(b.phases), RollbackPhasesP50MS: p50s(b.rbPhases)}
+		Correctness: r.Correctness, CheckpointPhasesP50MS: p50s(b.phases), RollbackPhasesP50MS: p50s(b.rbPhases),
+		RollbacksRewound: len(b.rbPhases["rewound"]), RewindsRefused: len(b.rbPhases["rewind_refused"])}
 	return br
 }
 

@@ -69,6 +69,9 @@ func (r *Report) Print(w io.Writer) {
 	if br := r.Backends[r.primaryIsolation()]; br != nil {
 		printPhases(w, "", "checkpoint", br.CheckpointPhasesP50MS)
 		printPhases(w, "", "rollback", br.RollbackPhasesP50MS)
+		if br.RollbacksRewound+br.RewindsRefused > 0 {
+			fmt.Fprintf(w, "rollbacks rewound in place: %d; rewinds refused (forked from the zygotes): %d\n", br.RollbacksRewound, br.RewindsRefused)
+		}
 	}
 	s := r.StorageBytesPerCheckpoint
 	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s; dumped on the critical path: p50 %s)\n",

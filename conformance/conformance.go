@@ -35,6 +35,9 @@ type Harness struct {
 	// every rollback to a resident checkpoint of the same sandbox must then take that
 	// path, and the crash tests die at its points.
 	Resident bool
+	// Rewinds says that the backend brings a resident checkpoint's processes back in
+	// place where it can (a rewind: no kill, no fork), which Rewind checks.
+	Rewinds bool
 	// Diagnose, if set, describes a sandbox's processes as the backend sees them
 	// (frozen? stopped? traced?), for the message of a test that found it unresponsive.
 	Diagnose func(id string) string
@@ -67,6 +70,7 @@ func Run(t *testing.T, h Harness) {
 		{"ResidentPaths", testResidentPaths},
 		{"CrashMidRollback", testCrashRollback},
 		{"ZygotesSealed", testZygotesSealed},
+		{"Rewind", testRewind},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, h) })

@@ -12,6 +12,7 @@ import (
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/internal/testenv"
 	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
+	"github.com/cairn-sandbox/cairn/isolation/container/zygote"
 )
 
 func TestMain(m *testing.M) {
@@ -43,6 +44,7 @@ func harnessWith(t *testing.T, isolation string, configure func(*engine.Config))
 		Engine:    e,
 		Isolation: isolation,
 		Resident:  isolation == "container" && cfg.Residents >= 0,
+		Rewinds:   isolation == "container" && cfg.Residents >= 0 && zygote.Supported() == nil,
 		Reopen: func() (*engine.Engine, error) {
 			return engine.Open(context.Background(), engine.Config{DataDir: testenv.DataDir(), InitBinary: initBin})
 		},

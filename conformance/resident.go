@@ -3,11 +3,13 @@ package conformance
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/engine/model"
+	"github.com/cairn-sandbox/cairn/internal/phase"
 )
 
 // Resident checkpoints (zygotes): which sandboxes get them, what inspect says about
@@ -219,4 +221,67 @@ func testZygotesSealed(t *testing.T, h Harness) {
 	rollback(t, h, id, ck)
 	want(t, "REPL after rollback", ask(t, h, id, p, "print(x)"), "1")
 	probe("after a rollback through the zygote")
+}
+
+// rollbackPath rolls sandbox id back to ck as rollback does and says how the backend
+// brought the processes back: "rewound" in place, "refused" (a rewind was tried, and
+// they were forked from the zygotes instead), or "" (no rewind was tried).
+func rollbackPath(t *testing.T, h Harness, id, ck string) string {
+	t.Helper()
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	ctx := phase.With(context.Background(), func(name string, _ time.Duration) {
+		mu.Lock()
+		seen[name] = true
+		mu.Unlock()
+	})
+	if err := h.Engine.Rollback(ctx, id, ck); err != nil {
+		t.Fatalf("rollback to %s: %v", ck, err)
+	}
+	h.settle()
+	mu.Lock()
+	defer mu.Unlock()
+	switch {
+	case seen["rewound"]:
+		return "rewound"
+	case seen["rewind_refused"]:
+		return "refused"
+	}
+	return ""
+}
+
+// testRewind checks rollbacks in place (Harness.Rewinds): a REPL whose memory grew,
+// shrank and moved (a large buffer mapped and unmapped, the heap trimmed, objects
+// freed), that read on from a file and changed a float, is brought back to either of two
+// checkpoints, in both directions, without being forked; one with a thread is not
+// rewound (it is forked from its zygote, still right); once a checkpoint of its new
+// process is taken, that one rewinds again.
+func testRewind(t *testing.T, h Harness) {
+	if !h.Rewinds {
+		t.Skip("this backend (or kernel) does not rewind processes in place")
+	}
+	id := sandbox(t, h)
+	sh(t, h, id, "printf 0123456789abcdefghij > /workspace/data")
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, `import gc; f = open("/workspace/data"); f.read(3); a = bytearray(8 << 20); a[5] = 1; keep = [bytes([i % 256]) * 4096 for i in range(2000)]; x = 1.25`)
+	ck1 := checkpoint(t, h, id, "one")
+	ask(t, h, id, p, `a[5] = 9; del keep[::2]; gc.collect(); b = bytearray(b"z" * (24 << 20)); f.read(4); x = x * 3`)
+	ck2 := checkpoint(t, h, id, "two")
+	ask(t, h, id, p, `del b; c = [str(i) * 10 for i in range(100000)]; a[5] = 42; f.read()`)
+	state := `print(a[5], len(keep), sum(len(k) for k in keep), "b" in dir() and len(b), "c" in dir(), f.tell(), x)`
+	at1, at2 := "1 2000 8192000 False False 3 1.25", "9 1000 4096000 25165824 False 7 3.75"
+	want(t, "path of the rollback to one", rollbackPath(t, h, id, ck1), "rewound")
+	want(t, "state after the rollback to one", ask(t, h, id, p, state), at1)
+	want(t, "path of the rollback to two", rollbackPath(t, h, id, ck2), "rewound")
+	want(t, "state after the rollback to two", ask(t, h, id, p, state), at2)
+	ask(t, h, id, p, `a[5] = 50; b[0] = 0; keep.clear()`)
+	want(t, "path of the rollback to one again", rollbackPath(t, h, id, ck1), "rewound")
+	want(t, "state after the rollback to one again", ask(t, h, id, p, state), at1)
+	ask(t, h, id, p, `import threading, time; th = threading.Thread(target=time.sleep, args=(1000,), daemon=True); th.start()`)
+	want(t, "path of a rollback of a process with a thread", rollbackPath(t, h, id, ck2), "refused")
+	want(t, "state after the rollback by fork", ask(t, h, id, p, state), at2)
+	ck3 := checkpoint(t, h, id, "three")
+	ask(t, h, id, p, `a[5] = 77; f.seek(0)`)
+	want(t, "path of the rollback of the forked process", rollbackPath(t, h, id, ck3), "rewound")
+	want(t, "state after it", ask(t, h, id, p, state), at2)
 }

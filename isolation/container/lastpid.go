@@ -64,7 +64,10 @@ func (r *residents) stopped(init isolation.Proc) {
 	r.mu.Lock()
 	h := r.lastPid[init]
 	delete(r.lastPid, init)
+	ts := r.tracks[init]
+	delete(r.tracks, init)
 	r.mu.Unlock()
+	ts.Close()
 	if h != nil {
 		h.in.Close()
 		h.cmd.Process.Kill()

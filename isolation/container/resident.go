@@ -44,6 +44,54 @@ type residents struct {
 	// says whether the watchdog runs. Both protected by mu.
 	watched  map[string]isolation.Proc
 	watching bool
+	// tracks follow the writes of each sandbox's processes for rewinds in place, by
+	// init; protected by mu.
+	tracks map[isolation.Proc]*zygote.Tracks
+}
+
+// rewinds says whether this kernel can track writes for rewinds in place.
+var rewinds = sync.OnceValue(zygote.Supported)
+
+// tracksOf returns the tracks of sb's processes (made if missing and make is set),
+// nil if the kernel cannot track writes.
+func (r *residents) tracksOf(sb *isolation.Sandbox, make bool) *zygote.Tracks {
+	if rewinds() != nil {
+		return nil
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ts := r.tracks[sb.Init]
+	if ts == nil && make {
+		if r.tracks == nil {
+			r.tracks = map[isolation.Proc]*zygote.Tracks{}
+		}
+		ts = &zygote.Tracks{}
+		r.tracks[sb.Init] = ts
+	}
+	return ts
+}
+
+// untrack stops following the writes of sb's processes: before CRIU dumps them (their
+// memory registered with cairn's userfaultfd is not what CRIU expects of a process).
+func (r *residents) untrack(sb *isolation.Sandbox) {
+	r.mu.Lock()
+	ts := r.tracks[sb.Init]
+	delete(r.tracks, sb.Init)
+	r.mu.Unlock()
+	ts.Close()
+}
+
+// forget drops every sandbox's sets for the zygotes of rec.
+func (r *residents) forget(rec *zygote.Record) {
+	r.mu.Lock()
+	all := make([]*zygote.Tracks, 0, len(r.tracks))
+	for _, ts := range r.tracks {
+		all = append(all, ts)
+	}
+	r.mu.Unlock()
+	for _, ts := range all {
+		ts.Forget(rec)
+	}
 }
 
 // A dying init waits for every process of its pid namespace to die, frozen zygotes
@@ -181,7 +229,8 @@ func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox,
 			}
 			return hooks.Frozen(ctx)
 		},
-		Phase: hooks.Phase,
+		Phase:  hooks.Phase,
+		Tracks: b.res.tracksOf(sb, true),
 	})
 	var in *zygote.Ineligible
 	if errors.As(err, &in) {
@@ -210,6 +259,7 @@ func (b *Backend) DropResident(dir string) error {
 	if err != nil || !ok {
 		return err
 	}
+	b.res.forget(rec)
 	return zygote.Kill(rec)
 }
 
@@ -230,6 +280,9 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	}
 	phase.Since(ctx, "record", t)
 	adoptStrays(rec, sb)
+	if done, err := b.rewind(ctx, sb, rec, hooks); done {
+		return err
+	}
 	release, asQuiesced, err := holdAndKill(ctx, sb, hooks.Quiesced)
 	if err != nil {
 		return err
@@ -305,6 +358,73 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	t = time.Now()
 	defer phase.Since(ctx, "release", t)
 	return zygote.Release(pids, filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"))
+}
+
+// rewind tries to bring sb's processes back to the checkpoint of rec in place
+// (zygote.Tracks.Rewind). done is false if it could not and changed nothing: the caller
+// kills and forks as usual. Otherwise err is the rollback's result; a rewind that fails
+// once begun leaves sb without its processes, as a failed rollback does.
+func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote.Record, hooks isolation.RollbackHooks) (done bool, err error) {
+	ts := b.res.tracksOf(sb, false)
+	if ts == nil {
+		return false, nil
+	}
+	t := time.Now()
+	release, err := holdCRIU(sb.CgroupName())
+	if err != nil {
+		return false, nil
+	}
+	defer release()
+	reverted := make(chan error, 1)
+	started := false
+	waitRevert := sync.OnceValue(func() error { return <-reverted })
+	begun, err := ts.Rewind(ctx, b.res.tr(), rec, zygote.RewindOptions{
+		Live: func() ([]int, error) {
+			return slices.DeleteFunc(cgroupPids(sb.CgroupName()), func(p int) bool { return p == sb.Init.Pid }), nil
+		},
+		Begin: func() error {
+			// The processes are stopped, init writes nothing (the caller holds the
+			// sandbox), CRIU is held: the root is quiesced, and stays so until the
+			// revert, as nothing is killed.
+			asQuiesced := hooks.Quiesced != nil
+			if asQuiesced {
+				hooks.Quiesced(ctx)
+			}
+			started = true
+			go func() {
+				err := hooks.Revert(ctx, asQuiesced)
+				if err != nil {
+					err = fmt.Errorf("revert the root of %s: %w", sb.ID, err)
+				}
+				reverted <- err
+			}()
+			return nil
+		},
+		Reverted: waitRevert,
+		Phase:    prefixed(ctx, "rewind_"),
+	})
+	if started {
+		if rerr := waitRevert(); err == nil {
+			err = rerr
+		}
+	}
+	if !begun {
+		// Nothing was changed (a NotRewound says why; any other error came before a
+		// change too): the processes are killed and forked instead.
+		if os.Getenv("CAIRN_DEBUG_REWIND") != "" {
+			fmt.Fprintf(os.Stderr, "rewind refused: %v\n", err)
+		}
+		phase.Since(ctx, "rewind_refused", t)
+		return false, nil
+	}
+	if err != nil {
+		if kerr := killAllButInit(ctx, sb); kerr != nil {
+			err = errors.Join(err, kerr)
+		}
+		return true, err
+	}
+	phase.Since(ctx, "rewound", t)
+	return true, nil
 }
 
 // reload makes sb's init learn its processes again from its root (/.cairn/proc).

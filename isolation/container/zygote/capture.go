@@ -40,8 +40,12 @@ type CaptureOptions struct {
 	// error aborts the capture; the processes stay stopped until it returns.
 	Frozen func() error
 	// Phase, if set, is told how long each phase took ("stop", "zygote_scan",
-	// "zygote_fork", "zygotes", "fs", "resume"), from two goroutines at once.
+	// "zygote_track", "zygote_fork", "zygotes", "fs", "resume"), from two goroutines at
+	// once.
 	Phase func(name string, d time.Duration)
+	// Tracks, if set, follows the processes' writes from here on, so that a rollback to
+	// this checkpoint can bring them back in place (Rewind).
+	Tracks *Tracks
 
 	// rootMounts are the root mount IDs of the mount namespaces seen so far.
 	rootMounts map[string]int
@@ -106,6 +110,7 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 		Kill(rec)
 		return nil, err
 	}
+	o.Tracks.captured(rec, kids)
 	return rec, nil
 }
 
@@ -144,6 +149,13 @@ func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
 		return err
 	}
 	o.report("zygote_record", tw)
+	// What each process wrote since it was last scanned is found now, while it is
+	// stopped and before its zygote exists: its new zygote's set starts empty.
+	tt := time.Now()
+	for i, p := range procs {
+		o.Tracks.before(p, zps[i].NSPid)
+	}
+	o.report("zygote_track", tt)
 	t1 := time.Now()
 	for i, p := range procs {
 		if err := capture(p, zps[i]); err != nil {
@@ -271,6 +283,9 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 	regs := p.Regs()
 	zp.Regs = &regs
 	z.SetRegs(regs)
+	if err == nil {
+		zp.Xstate, err = p.Xstate()
+	}
 	if derr := z.Detach(); err == nil {
 		err = derr
 	}
@@ -337,6 +352,12 @@ func inherited(p *ptrace.Tracee, zp *Proc) error {
 	}
 	dumpable := int(d)
 	zp.Dumpable = &dumpable
+	// The program break, which a rewind sets again (brk(0) returns it).
+	brk, err := p.Syscall(unix.SYS_BRK, 0)
+	if err != nil {
+		return fmt.Errorf("brk in %d: %w", p.Pid, err)
+	}
+	zp.Brk = uint64(brk)
 	if zp.PdeathSig != 0 {
 		// CRIU restores it while CRIU is the parent, which then exits: the signal would
 		// be delivered at once to the process restored from the durable copy.

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -422,25 +423,31 @@ func scanMaps(pid int) ([]Map, []string, error) {
 	return out, rangesOf(b), nil
 }
 
-// readProc reads a /proc file of unknown size in one read where it fits 64 KiB: each
-// read of a seq_file walks its records again from where the last stopped, and a
-// process's maps read line by line took 140-170 µs against 45 µs in one read (a
-// Python process of 31 mappings).
+// readProc reads a /proc file of unknown size in reads of 64 KiB: each read of a
+// seq_file walks its records again from where the last stopped, and a process's maps
+// read line by line took 140-170 µs against 45 µs in large reads (a Python process of
+// 31 mappings). A read returns at most one page-sized buffer of records (~4 KiB), so it
+// reads on until end of file: a single read missed the mappings after the first ~50.
 func readProc(name string) ([]byte, error) {
 	f, err := os.Open(name)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	buf := make([]byte, 64<<10)
-	n, err := f.Read(buf)
-	if err != nil && !errors.Is(err, io.EOF) {
-		return nil, err
+	buf := make([]byte, 0, 64<<10)
+	for {
+		if len(buf) == cap(buf) {
+			buf = slices.Grow(buf, cap(buf))
+		}
+		n, err := f.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if errors.Is(err, io.EOF) || (err == nil && n == 0) {
+			return buf, nil
+		}
+		if err != nil {
+			return nil, err
+		}
 	}
-	if n < len(buf) {
-		return buf[:n], nil
-	}
-	return os.ReadFile(name) // larger: from the start again
 }
 
 func orAnon(path string) string {

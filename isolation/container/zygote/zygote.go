@@ -95,6 +95,12 @@ type Proc struct {
 	// that a crash left parked (Spawn) gets them back from here (Settle, Spawn). Records
 	// written before they were kept lack them.
 	Regs *unix.PtraceRegs `json:"regs,omitempty"`
+	// Xstate is the process's extended processor state (floating-point and vector
+	// registers, ptrace.Tracee.Xstate) and Brk its program break at the checkpoint: a
+	// fork copies both, a rewind in place sets them again. Records written before lack
+	// them (their checkpoints are not rewound).
+	Xstate []byte `json:"xstate,omitempty"`
+	Brk    uint64 `json:"brk,omitempty"`
 
 	// spawned is the process Spawn forked from the zygote, until park detaches it.
 	spawned *ptrace.Tracee

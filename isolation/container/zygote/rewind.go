@@ -1,0 +1,636 @@
+package zygote
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/internal/dirty"
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
+)
+
+// A rewind brings a sandbox's processes back to a resident checkpoint in place: they
+// keep running as the same processes, and get back the checkpoint's memory (the pages
+// they may have written since, copied from their zygotes), registers, floating-point
+// state, program break, mappings, descriptors' offsets, flags and pipe contents. No
+// process is killed, forked or reaped, and init is not told anything (its table holds
+// the same processes). A rollback that can rewind costs the scan of the pages written
+// and the copy of those, instead of a kill, a fork and the fixups of every process.
+//
+// A rewind needs the same processes as at the checkpoint, each tracked (Tracks) since
+// its zygote was made, and nothing that a fork would reset and a rewind cannot: it is
+// refused (NotRewound, nothing changed: the caller forks from the zygotes instead) if a
+// process started or ended since, has threads, children, POSIX timers or pending
+// signals, a descriptor that is not the same open file description as its zygote's
+// (kcmp), a lock it did not hold then, or state /proc shows to differ from its
+// zygote's: signal mask and dispositions, credentials, capabilities, seccomp, umask,
+// limits, name, CPU affinity. Mappings may differ where the writable private memory
+// is anonymous: ranges mapped since are unmapped, ranges unmapped since are mapped again
+// and filled from the zygote, the heap is set back with brk; any other difference in
+// the mappings (a file mapped or unmapped, protections changed) is refused. Interval
+// timers are cleared (a process with one is not captured). Not restored, not checked:
+// the alternate signal stack, the parent-death signal (not captured when set), and
+// memory written behind the page tables' back (by a device, or through pages pinned
+// for direct I/O before the checkpoint).
+
+// NotRewound says why a rollback cannot bring the processes back in place. Nothing was
+// changed: they run on as before.
+type NotRewound struct{ Reason string }
+
+func (e *NotRewound) Error() string { return "not rewound in place: " + e.Reason }
+
+func notRewound(format string, args ...any) error {
+	return &NotRewound{Reason: fmt.Sprintf(format, args...)}
+}
+
+// RewindOptions are the options of Rewind.
+type RewindOptions struct {
+	// Live lists the sandbox's processes but init (and but the zygotes).
+	Live func() ([]int, error)
+	// Begin is called once every process is stopped and found fit, before anything is
+	// changed: the caller starts its revert of the root there (it may run on beside the
+	// copy). Its error aborts the rewind.
+	Begin func() error
+	// Reverted waits for the caller's revert, before the fixups, which need the
+	// checkpoint's files. Its error aborts the rewind.
+	Reverted func() error
+	// Phase, if set, is told how long each phase took ("stop", "check", "scan",
+	// "memory", "reverted", "fixups", "rescan").
+	Phase func(name string, d time.Duration)
+}
+
+// Rewind brings the processes of a sandbox back to the checkpoint of r, in place. A *NotRewound error means that nothing was changed and Begin was not
+// called. Any other error with begun set leaves the processes in no known state: the
+// caller kills them (their tracking is dropped).
+func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o RewindOptions) (begun bool, err error) {
+	if ts == nil {
+		return false, notRewound("the sandbox's writes are not tracked")
+	}
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	ts.gc()
+	ks := make([]*track, len(r.Procs))
+	var want []int
+	for i, rp := range r.Procs {
+		for _, k := range ts.procs {
+			if _, ok := k.differ[rp.Zygote]; ok && k.nsPid == rp.NSPid {
+				ks[i] = k
+			}
+		}
+		if ks[i] == nil {
+			return false, notRewound("process %d was not tracked since the checkpoint", rp.NSPid)
+		}
+		if rp.Regs == nil || len(rp.Xstate) == 0 || rp.Brk == 0 {
+			return false, notRewound("the checkpoint's record predates rewinds")
+		}
+		want = append(want, ks[i].proc.Pid)
+	}
+	slices.Sort(want)
+	live, err := o.Live()
+	if err != nil {
+		return false, err
+	}
+	live = slices.Clone(live)
+	slices.Sort(live)
+	if !slices.Equal(live, want) {
+		return false, notRewound("processes started or ended since the checkpoint")
+	}
+	// ks in the order of live (stopAll's), with their records.
+	order := make([]int, len(live))
+	for i, pid := range live {
+		for j, k := range ks {
+			if k.proc.Pid == pid {
+				order[i] = j
+			}
+		}
+	}
+	defer func() {
+		if err != nil && begun {
+			for _, k := range ks {
+				ts.drop(k.proc.Pid)
+			}
+		}
+	}()
+	err = tr.Do(func() error {
+		t := time.Now()
+		procs, stopped, err := stopAll(live)
+		defer func() {
+			for i, p := range procs {
+				if i >= stopped {
+					tr.Forget(p)
+				} else if err := p.Detach(); err != nil {
+					tr.Forget(p)
+				}
+			}
+		}()
+		if err != nil {
+			var in *Ineligible
+			if errors.As(err, &in) {
+				return notRewound("%s", in.Reason)
+			}
+			return err
+		}
+		if now, err := o.Live(); err != nil || !slices.Equal(sorted(now), live) {
+			return notRewound("processes started or ended during the rollback")
+		}
+		report(o.Phase, "stop", t)
+		t = time.Now()
+		plans := make([]*plan, len(procs))
+		for i, p := range procs {
+			j := order[i]
+			if plans[i], err = check(p, &r.Procs[j]); err != nil {
+				return err
+			}
+		}
+		report(o.Phase, "check", t)
+		// What each process wrote since its last scan goes into every set now: the
+		// sets stay right whatever follows.
+		t = time.Now()
+		for i := range procs {
+			k := ks[order[i]]
+			d, err := k.t.Scan()
+			if err != nil {
+				ts.drop(k.proc.Pid)
+				return notRewound("process %d: its writes are no longer tracked: %v", k.nsPid, err)
+			}
+			k.add(d)
+			plans[i].finish(k.differ[r.Procs[order[i]].Zygote])
+		}
+		report(o.Phase, "scan", t)
+		begun = true
+		if err := o.Begin(); err != nil {
+			return err
+		}
+		t = time.Now()
+		for i, p := range procs {
+			if err := plans[i].apply(p, &r.Procs[order[i]]); err != nil {
+				return fmt.Errorf("process %d: %w", r.Procs[order[i]].NSPid, err)
+			}
+		}
+		report(o.Phase, "memory", t)
+		t = time.Now()
+		if err := o.Reverted(); err != nil {
+			return err
+		}
+		report(o.Phase, "reverted", t)
+		t = time.Now()
+		for i, p := range procs {
+			rp := &r.Procs[order[i]]
+			if err := fixup(p, nil, rp); err != nil {
+				return fmt.Errorf("process %d: %w", rp.NSPid, err)
+			}
+		}
+		report(o.Phase, "fixups", t)
+		// The copies, the mappings made again and the scratch of the fixups are
+		// scanned too: the other checkpoints' sets get them, this one's starts empty.
+		t = time.Now()
+		for i := range procs {
+			k, z := ks[order[i]], r.Procs[order[i]].Zygote
+			old := k.differ[z]
+			d, err := k.t.Scan()
+			if err != nil {
+				ts.drop(k.proc.Pid) // the process is right, no longer tracked
+				continue
+			}
+			k.add(old.Union(d))
+			k.differ[z] = nil
+		}
+		report(o.Phase, "rescan", t)
+		return nil
+	})
+	return begun, err
+}
+
+func sorted(pids []int) []int {
+	pids = slices.Clone(pids)
+	slices.Sort(pids)
+	return pids
+}
+
+// plan is what a rewind does to one process.
+type plan struct {
+	zygote int
+	// unmap are the process's writable private ranges mapped since the checkpoint
+	// (its heap aside: brk sets it back); mmap the anonymous ones its zygote has and it
+	// lacks, with their protections.
+	unmap dirty.Set
+	mmap  []protRange
+	// writable are the zygote's writable private ranges, same those the process maps
+	// identically, grown the heap pages the brk gives back.
+	writable, same, grown dirty.Set
+	// copy are the pages copied from the zygote (finish); scratch is one of them, mapped
+	// in the process before the copy, for the arguments of injected calls.
+	copy    dirty.Set
+	scratch uint64
+}
+
+type protRange struct {
+	dirty.Range
+	prot int
+}
+
+// The status fields a fork copies and a rewind cannot set: they must be the zygote's.
+var sameStatus = []string{"Umask", "SigBlk", "SigIgn", "SigCgt", "NoNewPrivs", "Seccomp",
+	"Seccomp_filters", "Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd",
+	"CapAmb", "Cpus_allowed_list", "Mems_allowed_list", "Speculation_Store_Bypass"}
+
+// kcmpFile is KCMP_FILE (include/uapi/linux/kcmp.h).
+const kcmpFile = 0
+
+// check says whether the stopped process p can be brought back in place to rp, and
+// how (its memory aside: finish completes the plan once the process is scanned).
+func check(p *ptrace.Tracee, rp *Proc) (*plan, error) {
+	z := rp.Zygote.Pid
+	if !rp.Zygote.Alive() {
+		return nil, notRewound("the zygote of process %d is gone", rp.NSPid)
+	}
+	st, err := readStatus(p.Pid)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case st.threads != 1:
+		return nil, notRewound("process %d has %d threads", rp.NSPid, st.threads)
+	case strings.Trim(st.sigPnd, "0") != "" || strings.Trim(st.shdPnd, "0") != "":
+		return nil, notRewound("process %d has pending signals", rp.NSPid)
+	}
+	ps, err := statusFields(p.Pid)
+	if err != nil {
+		return nil, err
+	}
+	zs, err := statusFields(z)
+	if err != nil {
+		return nil, err
+	}
+	for _, f := range sameStatus {
+		if ps[f] != zs[f] {
+			return nil, notRewound("process %d: %s changed since the checkpoint (%s, was %s)", rp.NSPid, f, ps[f], zs[f])
+		}
+	}
+	for _, f := range []string{"limits", "comm", "personality", "root"} {
+		a, err1 := procFile(p.Pid, f)
+		b, err2 := procFile(z, f)
+		if err := errors.Join(err1, err2); err != nil {
+			return nil, err
+		}
+		if a != b {
+			return nil, notRewound("process %d: its %s changed since the checkpoint", rp.NSPid, f)
+		}
+	}
+	if kids, err := Children(p.Pid); err != nil {
+		return nil, err
+	} else if len(kids) > 0 {
+		return nil, notRewound("process %d has child processes", rp.NSPid)
+	}
+	if b, err := os.ReadFile(procDir(p.Pid) + "/timers"); err == nil && len(strings.TrimSpace(string(b))) > 0 {
+		return nil, notRewound("process %d has POSIX timers", rp.NSPid)
+	}
+	if err := sameFds(p.Pid, z, rp); err != nil {
+		return nil, err
+	}
+	return planMaps(p.Pid, z, rp)
+}
+
+// statusFields reads /proc/<pid>/status into a map.
+func statusFields(pid int) (map[string]string, error) {
+	b, err := readProc(procDir(pid) + "/status")
+	if err != nil {
+		return nil, err
+	}
+	m := map[string]string{}
+	for _, l := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(l, ":"); ok {
+			m[k] = strings.TrimSpace(v)
+		}
+	}
+	return m, nil
+}
+
+// procFile reads /proc/<pid>/<name> (a symbolic link's target for "root").
+func procFile(pid int, name string) (string, error) {
+	if name == "root" {
+		return os.Readlink(procDir(pid) + "/root")
+	}
+	b, err := readProc(procDir(pid) + "/" + name)
+	return string(b), err
+}
+
+// sameFds checks that the process holds the descriptors it held at the checkpoint, each
+// the same open file description as its zygote's (which shares them), and no lock it
+// did not hold then.
+func sameFds(pid, z int, rp *Proc) error {
+	ents, err := os.ReadDir(procDir(pid) + "/fd")
+	if err != nil {
+		return err
+	}
+	var have []int
+	for _, e := range ents {
+		if n, err := strconv.Atoi(e.Name()); err == nil {
+			have = append(have, n)
+		}
+	}
+	slices.Sort(have)
+	var had []int
+	inoOf := map[int]uint64{}
+	for _, fd := range rp.Fds {
+		had = append(had, fd.Fd)
+		inoOf[fd.Fd] = fd.Ino
+	}
+	if !slices.Equal(have, had) {
+		return notRewound("process %d opened or closed descriptors since the checkpoint", rp.NSPid)
+	}
+	var fds []Fd
+	for _, fd := range rp.Fds {
+		r, _, errno := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(z), kcmpFile, uintptr(fd.Fd), uintptr(fd.Fd), 0)
+		if errno != 0 {
+			return fmt.Errorf("kcmp descriptor %d of %d: %w", fd.Fd, pid, errno)
+		}
+		if r != 0 {
+			return notRewound("process %d: descriptor %d was opened again since the checkpoint", rp.NSPid, fd.Fd)
+		}
+		fi, err := readFdinfo(pid, fd.Fd)
+		if err != nil {
+			return err
+		}
+		fds = append(fds, Fd{Fd: fd.Fd, locks: fi.locks})
+	}
+	locks, err := locksOf(pid, fds)
+	if err != nil {
+		var in *Ineligible
+		if errors.As(err, &in) {
+			return notRewound("%s", in.Reason)
+		}
+		return err
+	}
+	key := func(l Lock) string { return fmt.Sprint(inoOf[l.Fd], l.Write, l.Start, l.Len) }
+	held := map[string]bool{}
+	for _, l := range rp.Locks {
+		held[key(l)] = true
+	}
+	for _, l := range locks {
+		if !held[key(l)] {
+			return notRewound("process %d took a lock since the checkpoint", rp.NSPid)
+		}
+	}
+	return nil
+}
+
+// mapping is one line of a maps file.
+type mapping struct {
+	dirty.Range
+	perms string
+	off   uint64
+	dev   string
+	ino   uint64
+	path  string
+}
+
+func (m mapping) writablePrivate() bool { return m.perms[1] == 'w' && m.perms[3] == 'p' }
+
+// key is what two mappings of an address must share to map it the same way: the
+// protections, the file and the file's offset of the address (for a file).
+func (m mapping) key() string {
+	k := m.perms + " " + m.dev + " " + strconv.FormatUint(m.ino, 10) + " " + m.path
+	if m.ino != 0 {
+		k += " " + strconv.FormatInt(int64(m.off)-int64(m.Start), 10)
+	}
+	return k
+}
+
+func (m mapping) prot() int {
+	p := 0
+	if m.perms[0] == 'r' {
+		p |= unix.PROT_READ
+	}
+	if m.perms[1] == 'w' {
+		p |= unix.PROT_WRITE
+	}
+	if m.perms[2] == 'x' {
+		p |= unix.PROT_EXEC
+	}
+	return p
+}
+
+// readMaps parses /proc/<pid>/maps.
+func readMaps(pid int) ([]mapping, error) {
+	b, err := readProc(procDir(pid) + "/maps")
+	if err != nil {
+		return nil, err
+	}
+	ms, err := parseMapsBytes(b)
+	if err != nil {
+		return nil, fmt.Errorf("maps of %d: %w", pid, err)
+	}
+	return ms, nil
+}
+
+// parseMapsBytes parses the content of a maps file.
+func parseMapsBytes(b []byte) ([]mapping, error) {
+	var out []mapping
+	for _, l := range strings.Split(string(b), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 5 {
+			continue
+		}
+		lo, hi, _ := strings.Cut(f[0], "-")
+		s, err1 := strconv.ParseUint(lo, 16, 64)
+		e, err2 := strconv.ParseUint(hi, 16, 64)
+		off, err3 := strconv.ParseUint(f[2], 16, 64)
+		ino, err4 := strconv.ParseUint(f[4], 10, 64)
+		if err := errors.Join(err1, err2, err3, err4); err != nil {
+			return nil, fmt.Errorf("%q: %w", l, err)
+		}
+		m := mapping{Range: dirty.Range{Start: s, End: e}, perms: f[1], off: off, dev: f[3], ino: ino}
+		if len(f) > 5 {
+			m.path = strings.Join(f[5:], " ")
+		}
+		out = append(out, m)
+	}
+	return out, nil
+}
+
+// byKey groups mappings by key, as sets of addresses.
+func byKey(ms []mapping) map[string]dirty.Set {
+	out := map[string]dirty.Set{}
+	for _, m := range ms {
+		out[m.key()] = out[m.key()].Union(dirty.Set{m.Range})
+	}
+	return out
+}
+
+func cover(ms []mapping, f func(mapping) bool) dirty.Set {
+	var s dirty.Set
+	for _, m := range ms {
+		if f(m) {
+			s = s.Union(dirty.Set{m.Range})
+		}
+	}
+	return s
+}
+
+// planMaps compares the process's mappings with its zygote's. What the process mapped
+// since the checkpoint (a library loaded, memory allocated) is unmapped: the memory
+// copied back no longer refers to it. What it unmapped since must be anonymous private
+// memory, mapped again and filled from the zygote; the heap is set back with brk.
+// Anything mapped differently at the same address (a protection changed, another file)
+// is refused.
+func planMaps(pid, z int, rp *Proc) (*plan, error) {
+	pm, err := readMaps(pid)
+	if err != nil {
+		return nil, err
+	}
+	zm, err := readMaps(z)
+	if err != nil {
+		return nil, err
+	}
+	all := func(mapping) bool { return true }
+	pk, zk := byKey(pm), byKey(zm)
+	var same dirty.Set
+	for k, s := range zk {
+		same = same.Union(s.Intersect(pk[k]))
+	}
+	heap := func(m mapping) bool { return m.path == "[heap]" }
+	pHeap, zHeap := cover(pm, heap), cover(zm, heap)
+	if len(pHeap.Intersect(zHeap).Subtract(same)) > 0 {
+		return nil, notRewound("process %d changed the protection of its heap", rp.NSPid)
+	}
+	pl := &plan{zygote: z, writable: cover(zm, mapping.writablePrivate)}
+	pl.same = same.Intersect(pl.writable)
+	pl.unmap = cover(pm, all).Subtract(same).Subtract(pHeap)
+	pl.grown = zHeap.Subtract(pHeap)
+	missing := cover(zm, all).Subtract(same).Subtract(zHeap)
+	for _, m := range zm {
+		for _, r := range missing.Intersect(dirty.Set{m.Range}) {
+			if !m.writablePrivate() || m.ino != 0 || m.path != "" {
+				if os.Getenv("CAIRN_DEBUG_REWIND") != "" {
+					a, _ := os.ReadFile(procDir(pid) + "/maps")
+					b, _ := os.ReadFile(procDir(z) + "/maps")
+					os.WriteFile("/tmp/rewind-p.maps", a, 0o644)
+					os.WriteFile("/tmp/rewind-z.maps", b, 0o644)
+				}
+				return nil, notRewound("process %d unmapped or changed %s since the checkpoint (%s %#x-%#x)",
+					rp.NSPid, orAnon(m.path), m.perms, r.Start, r.End)
+			}
+			pl.mmap = append(pl.mmap, protRange{Range: r, prot: m.prot()})
+		}
+	}
+	if len(pl.same) == 0 {
+		return nil, notRewound("process %d has no writable memory in common with its zygote", rp.NSPid)
+	}
+	return pl, nil
+}
+
+// finish completes the plan with the pages that may differ (the process's set for the
+// checkpoint, its last scan included): those of the zygote's writable memory, and
+// every page of the ranges mapped again or grown.
+func (pl *plan) finish(differ dirty.Set) {
+	var again dirty.Set
+	for _, m := range pl.mmap {
+		again = again.Union(dirty.Set{m.Range})
+	}
+	pl.copy = differ.Union(again).Union(pl.grown).Intersect(pl.writable)
+	// A page mapped the same way in both, written over by the copy: the scratch of the
+	// injected calls before it.
+	if in := pl.copy.Intersect(pl.same); len(in) > 0 {
+		pl.scratch = in[0].Start
+	} else {
+		pl.scratch = pl.same[0].Start
+		pl.copy = pl.copy.Union(dirty.Set{{Start: pl.scratch, End: pl.scratch + pageSize}})
+	}
+}
+
+const pageSize = 4096
+
+// apply carries the plan out in the stopped process p.
+func (pl *plan) apply(p *ptrace.Tracee, rp *Proc) error {
+	// Interval timers: none at the checkpoint (a process with one is not captured).
+	var zero [32]byte
+	if err := p.WriteMem(pl.scratch, zero[:]); err != nil {
+		return err
+	}
+	for _, which := range []int{unix.ITIMER_REAL, unix.ITIMER_VIRTUAL, unix.ITIMER_PROF} {
+		if _, err := p.Syscall(unix.SYS_SETITIMER, uintptr(which), uintptr(pl.scratch), 0); err != nil {
+			return fmt.Errorf("setitimer: %w", err)
+		}
+	}
+	for _, r := range pl.unmap {
+		if _, err := p.Syscall(unix.SYS_MUNMAP, uintptr(r.Start), uintptr(r.End-r.Start)); err != nil {
+			return fmt.Errorf("munmap %#x-%#x: %w", r.Start, r.End, err)
+		}
+	}
+	if brk, err := p.Syscall(unix.SYS_BRK, uintptr(rp.Brk)); err != nil || uint64(brk) != rp.Brk {
+		return fmt.Errorf("brk back to %#x: got %#x (%v)", rp.Brk, brk, err)
+	}
+	for _, r := range pl.mmap {
+		addr, err := p.Syscall(unix.SYS_MMAP, uintptr(r.Start), uintptr(r.End-r.Start), uintptr(r.prot),
+			unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_FIXED_NOREPLACE, ^uintptr(0), 0)
+		if err != nil || uint64(addr) != r.Start {
+			return fmt.Errorf("mmap %#x-%#x again: got %#x (%v)", r.Start, r.End, addr, err)
+		}
+	}
+	if err := copyPages(pl.zygote, p.Pid, pl.copy); err != nil {
+		return err
+	}
+	p.SetRegs(*rp.Regs)
+	if err := p.SetXstate(rp.Xstate); err != nil {
+		return err
+	}
+	p.DropSignals()
+	return nil
+}
+
+// copyBatch bounds the bytes and ranges copied per pair of calls.
+const (
+	copyBatch  = 8 << 20
+	copyRanges = 1024 // IOV_MAX
+)
+
+// copyPages copies the ranges of s from process from to process to.
+func copyPages(from, to int, s dirty.Set) error {
+	buf := make([]byte, min(int(s.Bytes()), copyBatch))
+	var remote []unix.RemoteIovec
+	used := 0
+	flush := func() error {
+		if used == 0 {
+			return nil
+		}
+		local := []unix.Iovec{{Base: &buf[0], Len: uint64(used)}}
+		n, err := unix.ProcessVMReadv(from, local, remote, 0)
+		if err == nil && n != used {
+			err = fmt.Errorf("short read (%d of %d bytes)", n, used)
+		}
+		if err != nil {
+			return fmt.Errorf("read the zygote's memory: %w", err)
+		}
+		n, err = unix.ProcessVMWritev(to, local, remote, 0)
+		if err == nil && n != used {
+			err = fmt.Errorf("short write (%d of %d bytes)", n, used)
+		}
+		if err != nil {
+			return fmt.Errorf("write the process's memory: %w", err)
+		}
+		remote, used = remote[:0], 0
+		return nil
+	}
+	for _, r := range s {
+		for a := r.Start; a < r.End; {
+			n := min(int(r.End-a), len(buf)-used)
+			remote = append(remote, unix.RemoteIovec{Base: uintptr(a), Len: n})
+			used += n
+			a += uint64(n)
+			if used == len(buf) || len(remote) == copyRanges {
+				if err := flush(); err != nil {
+					return err
+				}
+			}
+		}
+	}
+	return flush()
+}

@@ -1,0 +1,180 @@
+package zygote
+
+import (
+	"fmt"
+	"os"
+	"sync"
+
+	"github.com/cairn-sandbox/cairn/internal/dirty"
+	"github.com/cairn-sandbox/cairn/internal/ptrace"
+	"github.com/cairn-sandbox/cairn/isolation"
+)
+
+// Tracks follows the writes of one sandbox's processes (package dirty: userfaultfd
+// write-protect and PAGEMAP_SCAN, no soft-dirty needed), so that a rollback to one of
+// its resident checkpoints can bring the processes back in place (Rewind) instead of
+// killing them and forking new ones from the zygotes.
+//
+// For each tracked process and each resident checkpoint whose zygote of it was made
+// while it was tracked, it keeps the pages in which the process may differ from that
+// zygote. Every scan of the process (at each checkpoint, at each rewind) adds the pages
+// written since the last scan to every such set; a checkpoint starts its own set empty
+// (the process and its new zygote are the same then); a rewind to a checkpoint copies
+// that checkpoint's set back from the zygote, adds it to the others and empties it.
+// The sets are supersets: a page in one may be equal to the zygote's, none outside it
+// differs.
+//
+// Tracks live in cairn's memory only: a restarted cairn has none, and its rollbacks
+// fork from the zygotes as before. The zero value is ready to use.
+type Tracks struct {
+	mu sync.Mutex
+	// procs are the tracked processes, by host PID; protected by mu.
+	procs map[int]*track
+}
+
+// track is one tracked process.
+type track struct {
+	proc  isolation.Proc
+	nsPid int
+	t     *dirty.Tracker
+	// differ holds, by zygote (of a checkpoint taken while tracked), the pages in which
+	// the process may differ from it.
+	differ map[isolation.Proc]dirty.Set
+}
+
+// Supported says whether this kernel can track writes (dirty.Supported).
+func Supported() error { return dirty.Supported() }
+
+// before is called during a capture with p stopped, before its zygote is forked: it
+// starts tracking p, or scans what p wrote since the last scan into every set. A process
+// that cannot be tracked is not (its rollbacks fork), and the capture goes on.
+func (ts *Tracks) before(p *ptrace.Tracee, nsPid int) {
+	if ts == nil {
+		return
+	}
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	ts.gc()
+	if k := ts.procs[p.Pid]; k != nil {
+		if err := k.scan(); err == nil {
+			return
+		}
+		ts.drop(p.Pid)
+	}
+	proc, err := isolation.ProcOf(p.Pid)
+	if err != nil {
+		return
+	}
+	t, err := dirty.Register(p)
+	if err != nil {
+		if os.Getenv("CAIRN_DEBUG_REWIND") != "" {
+			fmt.Fprintf(os.Stderr, "track %d: %v\n", p.Pid, err)
+		}
+		return
+	}
+	if ts.procs == nil {
+		ts.procs = map[int]*track{}
+	}
+	ts.procs[p.Pid] = &track{proc: proc, nsPid: nsPid, t: t, differ: map[isolation.Proc]dirty.Set{}}
+}
+
+// captured starts the sets of the zygotes just made: those of rec, of the processes
+// pids (host PIDs, in the order of rec.Procs).
+func (ts *Tracks) captured(rec *Record, pids []int) {
+	if ts == nil {
+		return
+	}
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	for i, pid := range pids {
+		if k := ts.procs[pid]; k != nil && i < len(rec.Procs) {
+			k.differ[rec.Procs[i].Zygote] = nil
+		}
+	}
+}
+
+// scan adds what the process wrote since the last scan to every set.
+func (k *track) scan() error {
+	d, err := k.t.Scan()
+	if err != nil {
+		return err
+	}
+	k.add(d)
+	return nil
+}
+
+// add adds d to every set.
+func (k *track) add(d dirty.Set) {
+	if len(d) == 0 {
+		return
+	}
+	for z, s := range k.differ {
+		k.differ[z] = s.Union(d)
+	}
+}
+
+// Forget drops the sets of the zygotes of rec (they are ending).
+func (ts *Tracks) Forget(rec *Record) {
+	if ts == nil {
+		return
+	}
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	for _, k := range ts.procs {
+		for _, p := range rec.Procs {
+			delete(k.differ, p.Zygote)
+		}
+	}
+}
+
+// Close stops tracking every process (the sandbox is ending).
+func (ts *Tracks) Close() {
+	if ts == nil {
+		return
+	}
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	for pid := range ts.procs {
+		ts.drop(pid)
+	}
+}
+
+// Bytes is the memory the sets describe (pages that may have to be copied back), and
+// how many processes are tracked.
+func (ts *Tracks) Bytes() (bytes uint64, procs int) {
+	if ts == nil {
+		return 0, 0
+	}
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	for _, k := range ts.procs {
+		for _, s := range k.differ {
+			bytes += s.Bytes()
+		}
+	}
+	return bytes, len(ts.procs)
+}
+
+// gc stops tracking processes that are gone, and drops the sets of zygotes that are.
+// Callers hold mu.
+func (ts *Tracks) gc() {
+	for pid, k := range ts.procs {
+		if !k.proc.Alive() {
+			ts.drop(pid)
+			continue
+		}
+		for z := range k.differ {
+			if !z.Alive() {
+				delete(k.differ, z)
+			}
+		}
+	}
+}
+
+// drop stops tracking pid. Callers hold mu.
+func (ts *Tracks) drop(pid int) {
+	if k := ts.procs[pid]; k != nil {
+		k.t.Close()
+		delete(ts.procs, pid)
+	}
+}
