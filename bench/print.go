@@ -148,6 +148,9 @@ func (r *Report) printSearch(w io.Writer) {
 		printResident(w, "  ", x.Standby)
 		printPhases(w, "  ", "checkpoint", x.CheckpointPhasesP50MS)
 		printPhases(w, "  ", "rollback", x.RollbackPhasesP50MS)
+		if x.RollbacksRewound+x.RewindsRefused > 0 {
+			fmt.Fprintf(w, "  rollbacks rewound in place: %d; rewinds refused: %d\n", x.RollbacksRewound, x.RewindsRefused)
+		}
 	}
 	if r.W3 != nil {
 		x := r.W3

@@ -28,6 +28,9 @@ type W2Report struct {
 	// CheckpointPhasesP50MS and RollbackPhasesP50MS are as in BackendReport.
 	CheckpointPhasesP50MS map[string]float64 `json:"checkpoint_phases_p50_ms"`
 	RollbackPhasesP50MS   map[string]float64 `json:"rollback_phases_p50_ms"`
+	// RollbacksRewound and RewindsRefused are as in BackendReport.
+	RollbacksRewound int `json:"rollbacks_rewound"`
+	RewindsRefused   int `json:"rewinds_refused"`
 	// Standby counts the engine's standby work during the search.
 	Standby engine.Stats `json:"standby"`
 }
@@ -168,6 +171,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	rep.OverheadPct = 100 * (rep.TotalS - rep.FloorS) / rep.FloorS
 	rep.CheckpointMS, rep.RollbackMS = summarize(ckMS), summarize(rbMS)
 	rep.CheckpointPhasesP50MS, rep.RollbackPhasesP50MS = p50s(ckPhases), p50s(rbPhases)
+	rep.RollbacksRewound, rep.RewindsRefused = len(rbPhases["rewound"]), len(rbPhases["rewind_refused"])
 	rep.Standby = statsDelta(before, b.e.Stats())
 	return rep, nil
 }

@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -110,4 +111,32 @@ func diagnose(e *engine.Engine, id string) string {
 		fmt.Fprintf(&b, " [%d %s]", tid, strings.Join(fields, ", "))
 	}
 	return b.String()
+}
+
+// TestContainerRewindFails makes a rewind fail once it has changed the process's memory:
+// the rollback must still bring the checkpoint back, by forking from the zygotes in the
+// same generation, so that the sandbox's other resident checkpoints keep theirs.
+func TestContainerRewindFails(t *testing.T) {
+	h := harness(t, "container")
+	if !h.Rewinds {
+		t.Skip("this kernel does not rewind processes in place")
+	}
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, `a = bytearray(4 << 20); a[7] = 1`)
+	ck1 := checkpoint(t, h, id, "one")
+	ask(t, h, id, p, `a[7] = 2; b = [str(i) for i in range(50000)]`)
+	ck2 := checkpoint(t, h, id, "two")
+	ask(t, h, id, p, `a[7] = 3; del b`)
+	zygote.RewindFault = func() error { return errors.New("a fault injected by the test") }
+	defer func() { zygote.RewindFault = nil }()
+	want(t, "path of the failing rewind", rollbackPath(t, h, id, ck1), "failed")
+	zygote.RewindFault = nil
+	state := `print(a[7], "b" in dir() and len(b))`
+	want(t, "state after the failed rewind", ask(t, h, id, p, state), "1 False")
+	if c, err := h.Engine.GetCheckpoint(context.Background(), ck2); err != nil || !c.Resident {
+		t.Fatalf("checkpoint two after the failed rewind: resident %v, %v (%+v)", c != nil && c.Resident, err, h.Engine.Stats())
+	}
+	rollback(t, h, id, ck2)
+	want(t, "state after a rollback to two", ask(t, h, id, p, state), "2 50000")
 }

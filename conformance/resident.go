@@ -225,7 +225,8 @@ func testZygotesSealed(t *testing.T, h Harness) {
 
 // rollbackPath rolls sandbox id back to ck as rollback does and says how the backend
 // brought the processes back: "rewound" in place, "refused" (a rewind was tried, and
-// they were forked from the zygotes instead), or "" (no rewind was tried).
+// they were forked from the zygotes instead), "failed" (a rewind began and failed: they
+// were killed and forked), or "" (no rewind was tried).
 func rollbackPath(t *testing.T, h Harness, id, ck string) string {
 	t.Helper()
 	var mu sync.Mutex
@@ -246,6 +247,8 @@ func rollbackPath(t *testing.T, h Harness, id, ck string) string {
 		return "rewound"
 	case seen["rewind_refused"]:
 		return "refused"
+	case seen["rewind_failed"]:
+		return "failed"
 	}
 	return ""
 }
@@ -255,7 +258,8 @@ func rollbackPath(t *testing.T, h Harness, id, ck string) string {
 // freed), that read on from a file and changed a float, is brought back to either of two
 // checkpoints, in both directions, without being forked; one with a thread is not
 // rewound (it is forked from its zygote, still right); once a checkpoint of its new
-// process is taken, that one rewinds again.
+// process is taken, that one rewinds again; one that wrote more than a rewind copies
+// back is forked.
 func testRewind(t *testing.T, h Harness) {
 	if !h.Rewinds {
 		t.Skip("this backend (or kernel) does not rewind processes in place")
@@ -263,13 +267,13 @@ func testRewind(t *testing.T, h Harness) {
 	id := sandbox(t, h)
 	sh(t, h, id, "printf 0123456789abcdefghij > /workspace/data")
 	p := spawn(t, h, id, "python3", "-i", "-u")
-	ask(t, h, id, p, `import gc; f = open("/workspace/data"); f.read(3); a = bytearray(8 << 20); a[5] = 1; keep = [bytes([i % 256]) * 4096 for i in range(2000)]; x = 1.25`)
+	ask(t, h, id, p, `f = open("/workspace/data"); f.read(3); a = bytearray(16 << 20); a[5] = 1; keep = [bytes([i % 256]) * 4096 for i in range(200)]; x = 1.25`)
 	ck1 := checkpoint(t, h, id, "one")
-	ask(t, h, id, p, `a[5] = 9; del keep[::2]; gc.collect(); b = bytearray(b"z" * (24 << 20)); f.read(4); x = x * 3`)
+	ask(t, h, id, p, `a[5] = 9; del keep[::2]; b = bytearray(b"z" * (1 << 20)); f.read(4); x = x * 3`)
 	ck2 := checkpoint(t, h, id, "two")
-	ask(t, h, id, p, `del b; c = [str(i) * 10 for i in range(100000)]; a[5] = 42; f.read()`)
+	ask(t, h, id, p, `del b; c = [str(i) * 10 for i in range(5000)]; a[5] = 42; f.read()`)
 	state := `print(a[5], len(keep), sum(len(k) for k in keep), "b" in dir() and len(b), "c" in dir(), f.tell(), x)`
-	at1, at2 := "1 2000 8192000 False False 3 1.25", "9 1000 4096000 25165824 False 7 3.75"
+	at1, at2 := "1 200 819200 False False 3 1.25", "9 100 409600 1048576 False 7 3.75"
 	want(t, "path of the rollback to one", rollbackPath(t, h, id, ck1), "rewound")
 	want(t, "state after the rollback to one", ask(t, h, id, p, state), at1)
 	want(t, "path of the rollback to two", rollbackPath(t, h, id, ck2), "rewound")
@@ -283,5 +287,10 @@ func testRewind(t *testing.T, h Harness) {
 	ck3 := checkpoint(t, h, id, "three")
 	ask(t, h, id, p, `a[5] = 77; f.seek(0)`)
 	want(t, "path of the rollback of the forked process", rollbackPath(t, h, id, ck3), "rewound")
+	want(t, "state after it", ask(t, h, id, p, state), at2)
+	// Too much to bring back (all of a, 16 MiB): forked instead, which shares the
+	// zygote's pages rather than copying them.
+	ask(t, h, id, p, `a[:] = b"q" * len(a)`)
+	want(t, "path of a rollback with 16 MiB written", rollbackPath(t, h, id, ck3), "refused")
 	want(t, "state after it", ask(t, h, id, p, state), at2)
 }

@@ -202,6 +202,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	if cb, err := container.New(cfg.InitBinary); err == nil {
+		cb.Logf = cfg.Logf
 		e.backends["container"] = guardedContainer{Backend: cb, images: e.images}
 	} else {
 		e.backends["container"] = unavailable{name: "container", err: err}

@@ -38,6 +38,9 @@ type Backend struct {
 	restorers restorePool
 	// res keeps the zygotes' tracer and helpers (resident.go).
 	res residents
+	// Logf, if set, reports what went wrong in work the caller does not see fail (a
+	// rewind that failed, after which the rollback forked instead).
+	Logf func(format string, args ...any)
 }
 
 // New returns a backend that boots sandboxes with the cairn-init binary at initBinary.

@@ -49,8 +49,14 @@ type residents struct {
 	tracks map[isolation.Proc]*zygote.Tracks
 }
 
-// rewinds says whether this kernel can track writes for rewinds in place.
-var rewinds = sync.OnceValue(zygote.Supported)
+// rewinds says whether this kernel can track writes for rewinds in place (and whether
+// they are wanted: CAIRN_REWIND=0 turns them off).
+var rewinds = sync.OnceValue(func() error {
+	if os.Getenv("CAIRN_REWIND") == "0" {
+		return errors.New("rewinds turned off (CAIRN_REWIND=0)")
+	}
+	return zygote.Supported()
+})
 
 // tracksOf returns the tracks of sb's processes (made if missing and make is set),
 // nil if the kernel cannot track writes.
@@ -280,7 +286,8 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	}
 	phase.Since(ctx, "record", t)
 	adoptStrays(rec, sb)
-	if done, err := b.rewind(ctx, sb, rec, hooks); done {
+	done, hooks, err := b.rewind(ctx, sb, rec, hooks)
+	if done {
 		return err
 	}
 	release, asQuiesced, err := holdAndKill(ctx, sb, hooks.Quiesced)
@@ -361,26 +368,31 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 }
 
 // rewind tries to bring sb's processes back to the checkpoint of rec in place
-// (zygote.Tracks.Rewind). done is false if it could not and changed nothing: the caller
-// kills and forks as usual. Otherwise err is the rollback's result; a rewind that fails
-// once begun leaves sb without its processes, as a failed rollback does.
-func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote.Record, hooks isolation.RollbackHooks) (done bool, err error) {
+// (zygote.Tracks.Rewind). done says that it did, or failed with err. Otherwise the
+// caller kills and forks as usual, with the hooks returned: hooks itself if the rewind
+// changed nothing; if it failed once begun (its processes are then dead, killed before
+// they could run), hooks that do not revert the root again when it holds the
+// checkpoint's files (the revert ran, and the exit records the kill left were undone).
+func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote.Record, hooks isolation.RollbackHooks) (done bool, next isolation.RollbackHooks, err error) {
 	ts := b.res.tracksOf(sb, false)
 	if ts == nil {
-		return false, nil
+		return false, hooks, nil
 	}
 	t := time.Now()
 	release, err := holdCRIU(sb.CgroupName())
 	if err != nil {
-		return false, nil
+		return false, hooks, nil
 	}
 	defer release()
 	reverted := make(chan error, 1)
 	started := false
 	waitRevert := sync.OnceValue(func() error { return <-reverted })
+	var marks *records
+	var live []int // the processes last listed: those a failed rewind killed
 	begun, err := ts.Rewind(ctx, b.res.tr(), rec, zygote.RewindOptions{
 		Live: func() ([]int, error) {
-			return slices.DeleteFunc(cgroupPids(sb.CgroupName()), func(p int) bool { return p == sb.Init.Pid }), nil
+			live = slices.DeleteFunc(cgroupPids(sb.CgroupName()), func(p int) bool { return p == sb.Init.Pid })
+			return live, nil
 		},
 		Begin: func() error {
 			// The processes are stopped, init writes nothing (the caller holds the
@@ -401,30 +413,54 @@ func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote
 			return nil
 		},
 		Reverted: waitRevert,
-		Phase:    prefixed(ctx, "rewind_"),
+		Failed: func() {
+			// Once the revert is done, the root's records are noted, so that the exit
+			// records of the kill that follows can be undone.
+			if started && waitRevert() == nil {
+				marks, _ = markRecords(sb.Root)
+			}
+		},
+		Phase: prefixed(ctx, "rewind_"),
 	})
+	var rerr error
 	if started {
-		if rerr := waitRevert(); err == nil {
+		rerr = waitRevert()
+		if err == nil {
 			err = rerr
 		}
 	}
 	if !begun {
 		// Nothing was changed (a NotRewound says why; any other error came before a
 		// change too): the processes are killed and forked instead.
-		if os.Getenv("CAIRN_DEBUG_REWIND") != "" {
-			fmt.Fprintf(os.Stderr, "rewind refused: %v\n", err)
-		}
 		phase.Since(ctx, "rewind_refused", t)
-		return false, nil
+		return false, hooks, nil
 	}
-	if err != nil {
-		if kerr := killAllButInit(ctx, sb); kerr != nil {
-			err = errors.Join(err, kerr)
+	if err == nil {
+		phase.Since(ctx, "rewound", t)
+		return true, hooks, nil
+	}
+	// Failed once begun: its processes were killed. The rollback forks from the
+	// zygotes instead, in the same generation, so that no other checkpoint loses its
+	// zygotes.
+	phase.Since(ctx, "rewind_failed", t)
+	if b.Logf != nil {
+		b.Logf("rewind of sandbox %s failed, forking from its zygotes instead: %v", sb.ID, err)
+	}
+	// Dead, they left the cgroup: their PIDs are free once init has reaped them.
+	if kerr := killAllButInit(ctx, sb, live...); kerr != nil {
+		if marks != nil {
+			marks.close()
 		}
-		return true, err
+		return true, hooks, errors.Join(err, kerr)
 	}
-	phase.Since(ctx, "rewound", t)
-	return true, nil
+	clean := marks != nil && marks.undo() && rerr == nil
+	next = isolation.RollbackHooks{Revert: func(ctx context.Context, _ bool) error {
+		if clean {
+			return nil // the root holds the checkpoint's files already
+		}
+		return hooks.Revert(ctx, false)
+	}}
+	return false, next, nil
 }
 
 // reload makes sb's init learn its processes again from its root (/.cairn/proc).

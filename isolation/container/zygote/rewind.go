@@ -50,6 +50,18 @@ func notRewound(format string, args ...any) error {
 	return &NotRewound{Reason: fmt.Sprintf(format, args...)}
 }
 
+// maxRewindCopy bounds the pages a rewind brings back. A rewind writes the zygote's
+// content into the process's own pages, where a process forked from the zygote shares
+// the zygote's: each page of the set is then held twice, once by the zygote and once by
+// the process (and by the zygotes made of it later). A W2 search (rollbacks to far
+// nodes, sets of up to 17 MB) reached 1.63 GiB in its sandbox with every rollback
+// rewound, 0.44 GiB with none; a copy of ~8 MB costs about what the fork does.
+const maxRewindCopy = 8 << 20
+
+// RewindFault, if set (by tests), is called by every rewind once it has changed the
+// processes' memory: its error makes the rewind fail there.
+var RewindFault func() error
+
 // RewindOptions are the options of Rewind.
 type RewindOptions struct {
 	// Live lists the sandbox's processes but init (and but the zygotes).
@@ -61,8 +73,12 @@ type RewindOptions struct {
 	// Reverted waits for the caller's revert, before the fixups, which need the
 	// checkpoint's files. Its error aborts the rewind.
 	Reverted func() error
+	// Failed, if set, is called when the rewind fails once begun, with the processes
+	// still stopped, before Rewind kills them (they are in no known state: none may
+	// run an instruction of its own again).
+	Failed func()
 	// Phase, if set, is told how long each phase took ("stop", "check", "scan",
-	// "memory", "reverted", "fixups", "rescan").
+	// "memory", "reverted", "fixups", "sets").
 	Phase func(name string, d time.Duration)
 }
 
@@ -118,10 +134,20 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			}
 		}
 	}()
-	err = tr.Do(func() error {
+	err = tr.Do(func() (err error) {
 		t := time.Now()
 		procs, stopped, err := stopAll(live)
 		defer func() {
+			if begun && err != nil {
+				if o.Failed != nil {
+					o.Failed()
+				}
+				for _, p := range procs[:stopped] {
+					p.Kill()
+				}
+				procs = procs[stopped:]
+				stopped = 0
+			}
 			for i, p := range procs {
 				if i >= stopped {
 					tr.Forget(p)
@@ -145,7 +171,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		plans := make([]*plan, len(procs))
 		for i, p := range procs {
 			j := order[i]
-			if plans[i], err = check(p, &r.Procs[j]); err != nil {
+			if plans[i], err = check(p, &r.Procs[j], ts.viewOf(r.Procs[j].Zygote), o.Phase); err != nil {
 				return err
 			}
 		}
@@ -164,17 +190,29 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			plans[i].finish(k.differ[r.Procs[order[i]].Zygote])
 		}
 		report(o.Phase, "scan", t)
+		var copying uint64
+		for _, pl := range plans {
+			copying += pl.copy.Bytes()
+		}
+		if copying > maxRewindCopy {
+			return notRewound("%d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead", copying>>20, maxRewindCopy>>20)
+		}
 		begun = true
 		if err := o.Begin(); err != nil {
 			return err
 		}
 		t = time.Now()
 		for i, p := range procs {
-			if err := plans[i].apply(p, &r.Procs[order[i]]); err != nil {
+			if err := plans[i].apply(p, &r.Procs[order[i]], o.Phase); err != nil {
 				return fmt.Errorf("process %d: %w", r.Procs[order[i]].NSPid, err)
 			}
 		}
 		report(o.Phase, "memory", t)
+		if RewindFault != nil {
+			if err := RewindFault(); err != nil {
+				return err
+			}
+		}
 		t = time.Now()
 		if err := o.Reverted(); err != nil {
 			return err
@@ -188,23 +226,23 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			}
 		}
 		report(o.Phase, "fixups", t)
+		// The process is its zygote again: that zygote's set starts empty, and what
+		// the others' lacked of the pages it may have differed in is added to them.
 		// The copies, the mappings made again and the scratch of the fixups are
-		// scanned too: the other checkpoints' sets get them, this one's starts empty.
+		// scanned into every set once the processes run again (later).
 		t = time.Now()
 		for i := range procs {
 			k, z := ks[order[i]], r.Procs[order[i]].Zygote
 			old := k.differ[z]
-			d, err := k.t.Scan()
-			if err != nil {
-				ts.drop(k.proc.Pid) // the process is right, no longer tracked
-				continue
-			}
-			k.add(old.Union(d))
+			k.add(old)
 			k.differ[z] = nil
 		}
-		report(o.Phase, "rescan", t)
+		report(o.Phase, "sets", t)
 		return nil
 	})
+	if err == nil {
+		ts.later(want)
+	}
 	return begun, err
 }
 
@@ -246,8 +284,8 @@ const kcmpFile = 0
 
 // check says whether the stopped process p can be brought back in place to rp, and
 // how (its memory aside: finish completes the plan once the process is scanned).
-func check(p *ptrace.Tracee, rp *Proc) (*plan, error) {
-	z := rp.Zygote.Pid
+func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.Duration)) (*plan, error) {
+	t := time.Now()
 	if !rp.Zygote.Alive() {
 		return nil, notRewound("the zygote of process %d is gone", rp.NSPid)
 	}
@@ -261,26 +299,24 @@ func check(p *ptrace.Tracee, rp *Proc) (*plan, error) {
 	case strings.Trim(st.sigPnd, "0") != "" || strings.Trim(st.shdPnd, "0") != "":
 		return nil, notRewound("process %d has pending signals", rp.NSPid)
 	}
+	if err := zv.load(rp.Zygote.Pid); err != nil {
+		return nil, err
+	}
 	ps, err := statusFields(p.Pid)
 	if err != nil {
 		return nil, err
 	}
-	zs, err := statusFields(z)
-	if err != nil {
-		return nil, err
-	}
 	for _, f := range sameStatus {
-		if ps[f] != zs[f] {
-			return nil, notRewound("process %d: %s changed since the checkpoint (%s, was %s)", rp.NSPid, f, ps[f], zs[f])
+		if ps[f] != zv.status[f] {
+			return nil, notRewound("process %d: %s changed since the checkpoint (%s, was %s)", rp.NSPid, f, ps[f], zv.status[f])
 		}
 	}
-	for _, f := range []string{"limits", "comm", "personality", "root"} {
-		a, err1 := procFile(p.Pid, f)
-		b, err2 := procFile(z, f)
-		if err := errors.Join(err1, err2); err != nil {
+	for i, f := range viewFiles {
+		a, err := procFile(p.Pid, f)
+		if err != nil {
 			return nil, err
 		}
-		if a != b {
+		if a != zv.files[i] {
 			return nil, notRewound("process %d: its %s changed since the checkpoint", rp.NSPid, f)
 		}
 	}
@@ -292,10 +328,51 @@ func check(p *ptrace.Tracee, rp *Proc) (*plan, error) {
 	if b, err := os.ReadFile(procDir(p.Pid) + "/timers"); err == nil && len(strings.TrimSpace(string(b))) > 0 {
 		return nil, notRewound("process %d has POSIX timers", rp.NSPid)
 	}
-	if err := sameFds(p.Pid, z, rp); err != nil {
+	report(phase, "check_proc", t)
+	t = time.Now()
+	if err := sameFds(p.Pid, rp.Zygote.Pid, rp); err != nil {
 		return nil, err
 	}
-	return planMaps(p.Pid, z, rp)
+	report(phase, "check_fds", t)
+	t = time.Now()
+	defer report(phase, "check_maps", t)
+	return planMaps(p.Pid, rp.Zygote.Pid, zv.maps, rp)
+}
+
+// zygoteView is what a rewind reads of a zygote: it never changes (the zygote is
+// frozen), so it is read once.
+type zygoteView struct {
+	status map[string]string
+	files  []string // viewFiles
+	maps   []mapping
+}
+
+// viewFiles are the /proc files of a process a rewind compares with its zygote's.
+var viewFiles = []string{"limits", "comm", "personality", "root"}
+
+// load reads the zygote z's view, unless it has.
+func (zv *zygoteView) load(z int) error {
+	if zv.status != nil {
+		return nil
+	}
+	st, err := statusFields(z)
+	if err != nil {
+		return err
+	}
+	var files []string
+	for _, f := range viewFiles {
+		b, err := procFile(z, f)
+		if err != nil {
+			return err
+		}
+		files = append(files, b)
+	}
+	maps, err := readMaps(z)
+	if err != nil {
+		return err
+	}
+	zv.status, zv.files, zv.maps = st, files, maps
+	return nil
 }
 
 // statusFields reads /proc/<pid>/status into a map.
@@ -481,12 +558,8 @@ func cover(ms []mapping, f func(mapping) bool) dirty.Set {
 // memory, mapped again and filled from the zygote; the heap is set back with brk.
 // Anything mapped differently at the same address (a protection changed, another file)
 // is refused.
-func planMaps(pid, z int, rp *Proc) (*plan, error) {
+func planMaps(pid, z int, zm []mapping, rp *Proc) (*plan, error) {
 	pm, err := readMaps(pid)
-	if err != nil {
-		return nil, err
-	}
-	zm, err := readMaps(z)
 	if err != nil {
 		return nil, err
 	}
@@ -509,12 +582,6 @@ func planMaps(pid, z int, rp *Proc) (*plan, error) {
 	for _, m := range zm {
 		for _, r := range missing.Intersect(dirty.Set{m.Range}) {
 			if !m.writablePrivate() || m.ino != 0 || m.path != "" {
-				if os.Getenv("CAIRN_DEBUG_REWIND") != "" {
-					a, _ := os.ReadFile(procDir(pid) + "/maps")
-					b, _ := os.ReadFile(procDir(z) + "/maps")
-					os.WriteFile("/tmp/rewind-p.maps", a, 0o644)
-					os.WriteFile("/tmp/rewind-z.maps", b, 0o644)
-				}
 				return nil, notRewound("process %d unmapped or changed %s since the checkpoint (%s %#x-%#x)",
 					rp.NSPid, orAnon(m.path), m.perms, r.Start, r.End)
 			}
@@ -549,7 +616,8 @@ func (pl *plan) finish(differ dirty.Set) {
 const pageSize = 4096
 
 // apply carries the plan out in the stopped process p.
-func (pl *plan) apply(p *ptrace.Tracee, rp *Proc) error {
+func (pl *plan) apply(p *ptrace.Tracee, rp *Proc, phase func(string, time.Duration)) error {
+	t := time.Now()
 	// Interval timers: none at the checkpoint (a process with one is not captured).
 	var zero [32]byte
 	if err := p.WriteMem(pl.scratch, zero[:]); err != nil {
@@ -575,9 +643,12 @@ func (pl *plan) apply(p *ptrace.Tracee, rp *Proc) error {
 			return fmt.Errorf("mmap %#x-%#x again: got %#x (%v)", r.Start, r.End, addr, err)
 		}
 	}
+	report(phase, "memory_calls", t)
+	t = time.Now()
 	if err := copyPages(pl.zygote, p.Pid, pl.copy); err != nil {
 		return err
 	}
+	report(phase, "memory_copy", t)
 	p.SetRegs(*rp.Regs)
 	if err := p.SetXstate(rp.Xstate); err != nil {
 		return err
@@ -586,42 +657,50 @@ func (pl *plan) apply(p *ptrace.Tracee, rp *Proc) error {
 	return nil
 }
 
-// copyBatch bounds the bytes and ranges copied per pair of calls.
+// copyBatch bounds the bytes and ranges copied per round of calls.
 const (
-	copyBatch  = 8 << 20
+	copyBatch  = 4 << 20
 	copyRanges = 1024 // IOV_MAX
 )
 
-// copyPages copies the ranges of s from process from to process to.
+// copyPages makes the pages of s in process to hold what they hold in process from.
+// The pages a process wrote since the checkpoint are its own copies already (a write to
+// one costs no fault); those it did not write, but which the set holds (a superset), are
+// shared with a zygote, and get a copy of their own.
+//
+// Reads go through /proc/<pid>/mem, not process_vm_readv: that one pins the pages it
+// reads, and a pin of an anonymous page shared by a fork makes the kernel unshare it
+// first (copy it into the process read), so that every page read from a zygote became
+// a private copy of it. Comparing the process's pages with the zygote's before writing
+// (to write only those that differ) cost more reading than the writes it saved.
 func copyPages(from, to int, s dirty.Set) error {
+	if len(s) == 0 {
+		return nil
+	}
+	mem, err := os.Open(procDir(from) + "/mem")
+	if err != nil {
+		return fmt.Errorf("read the zygote's memory: %w", err)
+	}
+	defer mem.Close()
 	buf := make([]byte, min(int(s.Bytes()), copyBatch))
+	var local []unix.Iovec
 	var remote []unix.RemoteIovec
 	used := 0
 	flush := func() error {
-		if used == 0 {
-			return nil
+		if err := write(to, local, remote); err != nil {
+			return err
 		}
-		local := []unix.Iovec{{Base: &buf[0], Len: uint64(used)}}
-		n, err := unix.ProcessVMReadv(from, local, remote, 0)
-		if err == nil && n != used {
-			err = fmt.Errorf("short read (%d of %d bytes)", n, used)
-		}
-		if err != nil {
-			return fmt.Errorf("read the zygote's memory: %w", err)
-		}
-		n, err = unix.ProcessVMWritev(to, local, remote, 0)
-		if err == nil && n != used {
-			err = fmt.Errorf("short write (%d of %d bytes)", n, used)
-		}
-		if err != nil {
-			return fmt.Errorf("write the process's memory: %w", err)
-		}
-		remote, used = remote[:0], 0
+		local, remote, used = local[:0], remote[:0], 0
 		return nil
 	}
 	for _, r := range s {
 		for a := r.Start; a < r.End; {
 			n := min(int(r.End-a), len(buf)-used)
+			b := buf[used : used+n]
+			if _, err := mem.ReadAt(b, int64(a)); err != nil {
+				return fmt.Errorf("read the zygote's memory at %#x: %w", a, err)
+			}
+			local = append(local, unix.Iovec{Base: &b[0], Len: uint64(n)})
 			remote = append(remote, unix.RemoteIovec{Base: uintptr(a), Len: n})
 			used += n
 			a += uint64(n)
@@ -633,4 +712,23 @@ func copyPages(from, to int, s dirty.Set) error {
 		}
 	}
 	return flush()
+}
+
+// write writes local's bytes to the ranges remote of process pid.
+func write(pid int, local []unix.Iovec, remote []unix.RemoteIovec) error {
+	if len(remote) == 0 {
+		return nil
+	}
+	want := 0
+	for _, r := range remote {
+		want += r.Len
+	}
+	n, err := unix.ProcessVMWritev(pid, local, remote, 0)
+	if err == nil && n != want {
+		err = fmt.Errorf("short write (%d of %d bytes)", n, want)
+	}
+	if err != nil {
+		return fmt.Errorf("write the process's memory: %w", err)
+	}
+	return nil
 }

@@ -1,8 +1,6 @@
 package zygote
 
 import (
-	"fmt"
-	"os"
 	"sync"
 
 	"github.com/cairn-sandbox/cairn/internal/dirty"
@@ -30,6 +28,23 @@ type Tracks struct {
 	mu sync.Mutex
 	// procs are the tracked processes, by host PID; protected by mu.
 	procs map[int]*track
+	// pending counts the scans running in the background (later).
+	pending sync.WaitGroup
+	// views are what rewinds read of the zygotes, by zygote; protected by mu.
+	views map[isolation.Proc]*zygoteView
+}
+
+// viewOf returns the view of zygote z (empty until loaded). Callers hold mu.
+func (ts *Tracks) viewOf(z isolation.Proc) *zygoteView {
+	if ts.views == nil {
+		ts.views = map[isolation.Proc]*zygoteView{}
+	}
+	v := ts.views[z]
+	if v == nil {
+		v = &zygoteView{}
+		ts.views[z] = v
+	}
+	return v
 }
 
 // track is one tracked process.
@@ -46,8 +61,11 @@ type track struct {
 func Supported() error { return dirty.Supported() }
 
 // before is called during a capture with p stopped, before its zygote is forked: it
-// starts tracking p, or scans what p wrote since the last scan into every set. A process
-// that cannot be tracked is not (its rollbacks fork), and the capture goes on.
+// starts tracking p, or scans what p wrote since its last scan into every set (now,
+// while p is stopped, so that the new zygote's set starts empty: a scan after the
+// checkpoint would put the pages written before it in the new set too, and a rewind
+// there would read them all again). A process that cannot be tracked is not (its
+// rollbacks fork), and the capture goes on.
 func (ts *Tracks) before(p *ptrace.Tracee, nsPid int) {
 	if ts == nil {
 		return
@@ -67,9 +85,6 @@ func (ts *Tracks) before(p *ptrace.Tracee, nsPid int) {
 	}
 	t, err := dirty.Register(p)
 	if err != nil {
-		if os.Getenv("CAIRN_DEBUG_REWIND") != "" {
-			fmt.Fprintf(os.Stderr, "track %d: %v\n", p.Pid, err)
-		}
 		return
 	}
 	if ts.procs == nil {
@@ -93,6 +108,33 @@ func (ts *Tracks) captured(rec *Record, pids []int) {
 	}
 }
 
+// later scans the processes pids into every set, on a goroutine of its own (a scan
+// needs no process stopped: a page written while it runs is found by it or by the next).
+// A rewind that takes the lock first scans them itself. Callers hold mu.
+func (ts *Tracks) later(pids []int) {
+	ts.pending.Add(1)
+	go func() {
+		defer ts.pending.Done()
+		ts.mu.Lock()
+		defer ts.mu.Unlock()
+		for _, pid := range pids {
+			if k := ts.procs[pid]; k != nil {
+				if err := k.scan(); err != nil {
+					ts.drop(pid)
+				}
+			}
+		}
+	}()
+}
+
+// Wait waits for the scans started in the background (tests, and the bench's count of
+// background work).
+func (ts *Tracks) Wait() {
+	if ts != nil {
+		ts.pending.Wait()
+	}
+}
+
 // scan adds what the process wrote since the last scan to every set.
 func (k *track) scan() error {
 	d, err := k.t.Scan()
@@ -113,16 +155,29 @@ func (k *track) add(d dirty.Set) {
 	}
 }
 
-// Forget drops the sets of the zygotes of rec (they are ending).
+// Forget drops the sets of the zygotes of rec (they are ending), and of any other
+// zygote gone.
 func (ts *Tracks) Forget(rec *Record) {
 	if ts == nil {
 		return
 	}
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
+	gone := map[isolation.Proc]bool{}
+	for _, p := range rec.Procs {
+		gone[p.Zygote] = true
+	}
+	for z := range ts.views {
+		if gone[z] || !z.Alive() {
+			gone[z] = true
+			delete(ts.views, z)
+		}
+	}
 	for _, k := range ts.procs {
-		for _, p := range rec.Procs {
-			delete(k.differ, p.Zygote)
+		for z := range k.differ {
+			if gone[z] {
+				delete(k.differ, z)
+			}
 		}
 	}
 }
@@ -155,18 +210,12 @@ func (ts *Tracks) Bytes() (bytes uint64, procs int) {
 	return bytes, len(ts.procs)
 }
 
-// gc stops tracking processes that are gone, and drops the sets of zygotes that are.
-// Callers hold mu.
+// gc stops tracking processes that are gone (the sets of zygotes gone are dropped by
+// Forget: checking each zygote here would cost a /proc read apiece). Callers hold mu.
 func (ts *Tracks) gc() {
 	for pid, k := range ts.procs {
 		if !k.proc.Alive() {
 			ts.drop(pid)
-			continue
-		}
-		for z := range k.differ {
-			if !z.Alive() {
-				delete(k.differ, z)
-			}
 		}
 	}
 }
