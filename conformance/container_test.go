@@ -45,7 +45,7 @@ func harnessWith(t *testing.T, isolation string, configure func(*engine.Config))
 		Engine:    e,
 		Isolation: isolation,
 		Resident:  isolation == "container" && cfg.Residents >= 0,
-		Rewinds:   isolation == "container" && cfg.Residents >= 0 && zygote.Supported() == nil,
+		Rewinds:   isolation == "container" && cfg.Residents >= 0 && !cfg.NoRewinds && zygote.Supported() == nil,
 		Reopen: func() (*engine.Engine, error) {
 			return engine.Open(context.Background(), engine.Config{DataDir: testenv.DataDir(), InitBinary: initBin})
 		},
@@ -69,6 +69,12 @@ func TestContainer(t *testing.T) {
 	h := harness(t, "container")
 	h.Stress = 1000
 	Run(t, h)
+}
+
+// TestContainerNoRewind runs the suite with resident checkpoints but no rewinds in
+// place: every rollback to one kills the processes and forks them from the zygotes.
+func TestContainerNoRewind(t *testing.T) {
+	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.NoRewinds = true }))
 }
 
 // TestContainerNoStandby runs the suite with every fast path disabled: every checkpoint

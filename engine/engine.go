@@ -81,6 +81,10 @@ type Config struct {
 	// to be rolled back to lose their zygotes first (0: a quarter of the sandbox's memory
 	// limit, or of isolation.DefaultMemoryBytes without one; -1: no bound but Residents).
 	ResidentMemory int64
+	// NoRewinds makes every rollback to a resident checkpoint fork from its zygotes,
+	// never rewind the processes in place (isolation/container/zygote/rewind.go); the
+	// environment's CAIRN_REWIND=0 does too.
+	NoRewinds bool
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)
 }
@@ -203,6 +207,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	if cb, err := container.New(cfg.InitBinary); err == nil {
 		cb.Logf = cfg.Logf
+		cb.NoRewinds = cfg.NoRewinds
 		e.backends["container"] = guardedContainer{Backend: cb, images: e.images}
 	} else {
 		e.backends["container"] = unavailable{name: "container", err: err}

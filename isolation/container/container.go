@@ -41,6 +41,8 @@ type Backend struct {
 	// Logf, if set, reports what went wrong in work the caller does not see fail (a
 	// rewind that failed, after which the rollback forked instead).
 	Logf func(format string, args ...any)
+	// NoRewinds turns rewinds in place off: rollbacks fork from the zygotes.
+	NoRewinds bool
 }
 
 // New returns a backend that boots sandboxes with the cairn-init binary at initBinary.

@@ -77,6 +77,14 @@ func (r *residents) tracksOf(sb *isolation.Sandbox, make bool) *zygote.Tracks {
 	return ts
 }
 
+// tracks is r.tracksOf for the backend: nil if it does not rewind.
+func (b *Backend) tracks(sb *isolation.Sandbox, make bool) *zygote.Tracks {
+	if b.NoRewinds {
+		return nil
+	}
+	return b.res.tracksOf(sb, make)
+}
+
 // untrack stops following the writes of sb's processes: before CRIU dumps them (their
 // memory registered with cairn's userfaultfd is not what CRIU expects of a process).
 func (r *residents) untrack(sb *isolation.Sandbox) {
@@ -236,7 +244,7 @@ func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox,
 			return hooks.Frozen(ctx)
 		},
 		Phase:  hooks.Phase,
-		Tracks: b.res.tracksOf(sb, true),
+		Tracks: b.tracks(sb, true),
 	})
 	var in *zygote.Ineligible
 	if errors.As(err, &in) {
@@ -374,7 +382,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 // they could run), hooks that do not revert the root again when it holds the
 // checkpoint's files (the revert ran, and the exit records the kill left were undone).
 func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote.Record, hooks isolation.RollbackHooks) (done bool, next isolation.RollbackHooks, err error) {
-	ts := b.res.tracksOf(sb, false)
+	ts := b.tracks(sb, false)
 	if ts == nil {
 		return false, hooks, nil
 	}

@@ -151,7 +151,10 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			for i, p := range procs {
 				if i >= stopped {
 					tr.Forget(p)
-				} else if err := p.Detach(); err != nil {
+					continue
+				}
+				p.Unpark()
+				if err := p.Detach(); err != nil {
 					tr.Forget(p)
 				}
 			}
@@ -165,6 +168,13 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		}
 		if now, err := o.Live(); err != nil || !slices.Equal(sorted(now), live) {
 			return notRewound("processes started or ended during the rollback")
+		}
+		// Parked, a process half brought back waits in pause(2) if cairn dies, instead
+		// of running; the recovery's rollback kills it and forks from the zygotes.
+		for _, p := range procs {
+			if err := p.Park(); err != nil {
+				return err
+			}
 		}
 		report(o.Phase, "stop", t)
 		t = time.Now()
