@@ -9,30 +9,44 @@ import (
 	"strings"
 )
 
-// vma is one line of /proc/<pid>/maps.
-type vma struct {
+// Mapping is one line of /proc/<pid>/maps.
+type Mapping struct {
 	Range
-	perms string
-	ino   uint64
-	path  string
+	Perms  string // "rw-p"
+	Offset uint64 // in the file
+	Dev    string // "MAJ:MIN" of the file
+	Inode  uint64 // of the file; 0 for anonymous memory
+	Path   string // the file, "[heap]", "[stack]", ... or "" for anonymous memory
 }
 
-// writablePrivate says whether a write to the mapping changes memory of the process
+// vma is the package's name for a mapping.
+type vma = Mapping
+
+// WritablePrivate says whether a write to the mapping changes memory of the process
 // alone: what a rewind must put back, and what the tracker watches. [vsyscall] is the
 // kernel's, and no userfaultfd can register it.
-func (v vma) writablePrivate() bool {
-	return len(v.perms) == 4 && v.perms[1] == 'w' && v.perms[3] == 'p' && v.path != "[vsyscall]"
+func (v Mapping) WritablePrivate() bool {
+	return len(v.Perms) == 4 && v.Perms[1] == 'w' && v.Perms[3] == 'p' && v.Path != "[vsyscall]"
 }
 
-// readMaps parses /proc/<pid>/maps, in one read (a stopped process's maps do not change
-// between the reads of a longer file, but one read is also what the kernel serves
-// fastest).
+func (v Mapping) writablePrivate() bool { return v.WritablePrivate() }
+
+// readMaps reads and parses /proc/<pid>/maps.
 func readMaps(pid int) ([]vma, error) {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/maps")
 	if err != nil {
 		return nil, fmt.Errorf("read the mappings of process %d: %w", pid, err)
 	}
-	var out []vma
+	ms, err := ParseMaps(b)
+	if err != nil {
+		return nil, fmt.Errorf("mappings of process %d: %w", pid, err)
+	}
+	return ms, nil
+}
+
+// ParseMaps parses the content of a maps file.
+func ParseMaps(b []byte) ([]Mapping, error) {
+	var out []Mapping
 	for len(b) > 0 {
 		line := b
 		if i := bytes.IndexByte(b, '\n'); i >= 0 {
@@ -47,13 +61,14 @@ func readMaps(pid int) ([]vma, error) {
 		lo, hi, _ := strings.Cut(f[0], "-")
 		s, err1 := strconv.ParseUint(lo, 16, 64)
 		e, err2 := strconv.ParseUint(hi, 16, 64)
-		ino, err3 := strconv.ParseUint(f[4], 10, 64)
-		if err := errors.Join(err1, err2, err3); err != nil {
-			return nil, fmt.Errorf("mappings of process %d: line %q: %w", pid, line, err)
+		off, err3 := strconv.ParseUint(f[2], 16, 64)
+		ino, err4 := strconv.ParseUint(f[4], 10, 64)
+		if err := errors.Join(err1, err2, err3, err4); err != nil {
+			return nil, fmt.Errorf("line %q: %w", line, err)
 		}
-		v := vma{Range: Range{s, e}, perms: f[1], ino: ino}
+		v := Mapping{Range: Range{s, e}, Perms: f[1], Offset: off, Dev: f[3], Inode: ino}
 		if len(f) > 5 {
-			v.path = strings.Join(f[5:], " ")
+			v.Path = strings.Join(f[5:], " ")
 		}
 		out = append(out, v)
 	}
@@ -69,7 +84,7 @@ func areasOf(vmas []vma) (areas, files Set) {
 			continue
 		}
 		areas = append(areas, v.Range)
-		if v.ino != 0 {
+		if v.Inode != 0 {
 			files = append(files, v.Range)
 		}
 	}
@@ -83,11 +98,11 @@ func describe(vmas []vma, r Range) string {
 		if v.End <= r.Start || v.Start >= r.End {
 			continue
 		}
-		name := v.path
+		name := v.Path
 		if name == "" {
 			name = "anonymous"
 		}
-		parts = append(parts, fmt.Sprintf("%s %s %s", v.Range, v.perms, name))
+		parts = append(parts, fmt.Sprintf("%s %s %s", v.Range, v.Perms, name))
 	}
 	if len(parts) > 4 {
 		parts = append(parts[:4], fmt.Sprintf("and %d more", len(parts)-4))

@@ -470,36 +470,28 @@ func sameFds(pid, z int, rp *Proc) error {
 }
 
 // mapping is one line of a maps file.
-type mapping struct {
-	dirty.Range
-	perms string
-	off   uint64
-	dev   string
-	ino   uint64
-	path  string
-}
-
-func (m mapping) writablePrivate() bool { return m.perms[1] == 'w' && m.perms[3] == 'p' }
+type mapping = dirty.Mapping
 
 // key is what two mappings of an address must share to map it the same way: the
 // protections, the file and the file's offset of the address (for a file).
-func (m mapping) key() string {
-	k := m.perms + " " + m.dev + " " + strconv.FormatUint(m.ino, 10) + " " + m.path
-	if m.ino != 0 {
-		k += " " + strconv.FormatInt(int64(m.off)-int64(m.Start), 10)
+func key(m mapping) string {
+	k := m.Perms + " " + m.Dev + " " + strconv.FormatUint(m.Inode, 10) + " " + m.Path
+	if m.Inode != 0 {
+		k += " " + strconv.FormatInt(int64(m.Offset)-int64(m.Start), 10)
 	}
 	return k
 }
 
-func (m mapping) prot() int {
+// prot is a mapping's protection, as mmap takes it.
+func prot(m mapping) int {
 	p := 0
-	if m.perms[0] == 'r' {
+	if m.Perms[0] == 'r' {
 		p |= unix.PROT_READ
 	}
-	if m.perms[1] == 'w' {
+	if m.Perms[1] == 'w' {
 		p |= unix.PROT_WRITE
 	}
-	if m.perms[2] == 'x' {
+	if m.Perms[2] == 'x' {
 		p |= unix.PROT_EXEC
 	}
 	return p
@@ -511,43 +503,18 @@ func readMaps(pid int) ([]mapping, error) {
 	if err != nil {
 		return nil, err
 	}
-	ms, err := parseMapsBytes(b)
+	ms, err := dirty.ParseMaps(b)
 	if err != nil {
 		return nil, fmt.Errorf("maps of %d: %w", pid, err)
 	}
 	return ms, nil
 }
 
-// parseMapsBytes parses the content of a maps file.
-func parseMapsBytes(b []byte) ([]mapping, error) {
-	var out []mapping
-	for _, l := range strings.Split(string(b), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 5 {
-			continue
-		}
-		lo, hi, _ := strings.Cut(f[0], "-")
-		s, err1 := strconv.ParseUint(lo, 16, 64)
-		e, err2 := strconv.ParseUint(hi, 16, 64)
-		off, err3 := strconv.ParseUint(f[2], 16, 64)
-		ino, err4 := strconv.ParseUint(f[4], 10, 64)
-		if err := errors.Join(err1, err2, err3, err4); err != nil {
-			return nil, fmt.Errorf("%q: %w", l, err)
-		}
-		m := mapping{Range: dirty.Range{Start: s, End: e}, perms: f[1], off: off, dev: f[3], ino: ino}
-		if len(f) > 5 {
-			m.path = strings.Join(f[5:], " ")
-		}
-		out = append(out, m)
-	}
-	return out, nil
-}
-
 // byKey groups mappings by key, as sets of addresses.
 func byKey(ms []mapping) map[string]dirty.Set {
 	out := map[string]dirty.Set{}
 	for _, m := range ms {
-		out[m.key()] = out[m.key()].Union(dirty.Set{m.Range})
+		out[key(m)] = out[key(m)].Union(dirty.Set{m.Range})
 	}
 	return out
 }
@@ -579,23 +546,23 @@ func planMaps(pid, z int, zm []mapping, rp *Proc) (*plan, error) {
 	for k, s := range zk {
 		same = same.Union(s.Intersect(pk[k]))
 	}
-	heap := func(m mapping) bool { return m.path == "[heap]" }
+	heap := func(m mapping) bool { return m.Path == "[heap]" }
 	pHeap, zHeap := cover(pm, heap), cover(zm, heap)
 	if len(pHeap.Intersect(zHeap).Subtract(same)) > 0 {
 		return nil, notRewound("process %d changed the protection of its heap", rp.NSPid)
 	}
-	pl := &plan{zygote: z, writable: cover(zm, mapping.writablePrivate)}
+	pl := &plan{zygote: z, writable: cover(zm, mapping.WritablePrivate)}
 	pl.same = same.Intersect(pl.writable)
 	pl.unmap = cover(pm, all).Subtract(same).Subtract(pHeap)
 	pl.grown = zHeap.Subtract(pHeap)
 	missing := cover(zm, all).Subtract(same).Subtract(zHeap)
 	for _, m := range zm {
 		for _, r := range missing.Intersect(dirty.Set{m.Range}) {
-			if !m.writablePrivate() || m.ino != 0 || m.path != "" {
+			if !m.WritablePrivate() || m.Inode != 0 || m.Path != "" {
 				return nil, notRewound("process %d unmapped or changed %s since the checkpoint (%s %#x-%#x)",
-					rp.NSPid, orAnon(m.path), m.perms, r.Start, r.End)
+					rp.NSPid, orAnon(m.Path), m.Perms, r.Start, r.End)
 			}
-			pl.mmap = append(pl.mmap, protRange{Range: r, prot: m.prot()})
+			pl.mmap = append(pl.mmap, protRange{Range: r, prot: prot(m)})
 		}
 	}
 	if len(pl.same) == 0 {
