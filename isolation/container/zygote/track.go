@@ -28,8 +28,6 @@ type Tracks struct {
 	mu sync.Mutex
 	// procs are the tracked processes, by host PID; protected by mu.
 	procs map[int]*track
-	// pending counts the scans running in the background (later).
-	pending sync.WaitGroup
 	// views are what rewinds read of the zygotes, by zygote; protected by mu.
 	views map[isolation.Proc]*zygoteView
 }
@@ -112,9 +110,7 @@ func (ts *Tracks) captured(rec *Record, pids []int) {
 // needs no process stopped: a page written while it runs is found by it or by the next).
 // A rewind that takes the lock first scans them itself. Callers hold mu.
 func (ts *Tracks) later(pids []int) {
-	ts.pending.Add(1)
 	go func() {
-		defer ts.pending.Done()
 		ts.mu.Lock()
 		defer ts.mu.Unlock()
 		for _, pid := range pids {
@@ -125,14 +121,6 @@ func (ts *Tracks) later(pids []int) {
 			}
 		}
 	}()
-}
-
-// Wait waits for the scans started in the background (tests, and the bench's count of
-// background work).
-func (ts *Tracks) Wait() {
-	if ts != nil {
-		ts.pending.Wait()
-	}
 }
 
 // scan adds what the process wrote since the last scan to every set.
@@ -192,22 +180,6 @@ func (ts *Tracks) Close() {
 	for pid := range ts.procs {
 		ts.drop(pid)
 	}
-}
-
-// Bytes is the memory the sets describe (pages that may have to be copied back), and
-// how many processes are tracked.
-func (ts *Tracks) Bytes() (bytes uint64, procs int) {
-	if ts == nil {
-		return 0, 0
-	}
-	ts.mu.Lock()
-	defer ts.mu.Unlock()
-	for _, k := range ts.procs {
-		for _, s := range k.differ {
-			bytes += s.Bytes()
-		}
-	}
-	return bytes, len(ts.procs)
 }
 
 // gc stops tracking processes that are gone (the sets of zygotes gone are dropped by
