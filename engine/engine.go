@@ -207,7 +207,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	if cb, err := container.New(cfg.InitBinary); err == nil {
 		cb.Logf = cfg.Logf
-		cb.NoRewinds = cfg.NoRewinds
+		cb.NoRewinds = cfg.NoRewinds || os.Getenv("CAIRN_REWIND") == "0"
 		e.backends["container"] = guardedContainer{Backend: cb, images: e.images}
 	} else {
 		e.backends["container"] = unavailable{name: "container", err: err}

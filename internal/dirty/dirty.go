@@ -322,7 +322,12 @@ func (t *Tracker) protect(r Range) error {
 //
 // A failed Scan leaves the tracking incomplete: every later Scan fails too, and the
 // process must be registered again (after Close).
-func (t *Tracker) Scan() (Set, error) {
+func (t *Tracker) Scan() (Set, error) { return t.ScanMaps(nil) }
+
+// ScanMaps is Scan for a process whose mappings the caller has just read (maps, of
+// /proc/<pid>/maps), while it is stopped: it cannot have changed them since, and they
+// are not read again. With maps nil it reads them.
+func (t *Tracker) ScanMaps(maps []Mapping) (Set, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	switch {
@@ -331,7 +336,7 @@ func (t *Tracker) Scan() (Set, error) {
 	case t.err != nil:
 		return nil, fmt.Errorf("write tracking of process %d stopped at an earlier failed scan: %w", t.pid, t.err)
 	}
-	s, err := t.scan()
+	s, err := t.scan(maps)
 	if err != nil {
 		if t.memoryGone() {
 			err = errdefs.FailedPrecondition("write tracking of process %d: the memory tracked is gone (the process exited, or ran execve: register it again): %w", t.pid, err)
@@ -352,13 +357,15 @@ func (t *Tracker) memoryGone() bool {
 }
 
 // Preconditions: t.mu is held.
-func (t *Tracker) scan() (Set, error) {
+func (t *Tracker) scan(vmas []vma) (Set, error) {
 	if t.memoryGone() {
 		return nil, errors.New("no memory behind its pagemap")
 	}
-	vmas, err := readMaps(t.pid)
-	if err != nil {
-		return nil, err
+	if vmas == nil {
+		var err error
+		if vmas, err = readMaps(t.pid); err != nil {
+			return nil, err
+		}
 	}
 	areas, files := areasOf(vmas)
 	kept := areas.Intersect(t.areas)

@@ -49,14 +49,8 @@ type residents struct {
 	tracks map[isolation.Proc]*zygote.Tracks
 }
 
-// rewinds says whether this kernel can track writes for rewinds in place (and whether
-// they are wanted: CAIRN_REWIND=0 turns them off).
-var rewinds = sync.OnceValue(func() error {
-	if os.Getenv("CAIRN_REWIND") == "0" {
-		return errors.New("rewinds turned off (CAIRN_REWIND=0)")
-	}
-	return zygote.Supported()
-})
+// rewinds says whether this kernel can track writes for rewinds in place.
+var rewinds = sync.OnceValue(zygote.Supported)
 
 // tracksOf returns the tracks of sb's processes (made if missing and make is set),
 // nil if the kernel cannot track writes.
@@ -294,15 +288,19 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	}
 	phase.Since(ctx, "record", t)
 	adoptStrays(rec, sb)
-	done, hooks, err := b.rewind(ctx, sb, rec, hooks)
-	if done {
-		return err
-	}
-	release, asQuiesced, err := holdAndKill(ctx, sb, hooks.Quiesced)
+	release, err := holdCRIUPhase(ctx, sb)
 	if err != nil {
 		return err
 	}
 	defer release()
+	done, hooks, err := b.rewind(ctx, sb, rec, hooks)
+	if done {
+		return err
+	}
+	asQuiesced, err := killPhase(ctx, sb, hooks.Quiesced)
+	if err != nil {
+		return err
+	}
 	// The root is reverted on another thread from here on, the longest part of a
 	// rollback: it may begin once the processes are reaped (init has written their exit
 	// records) and CRIU is held, as nothing else writes there until the reload, and it
@@ -376,7 +374,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 }
 
 // rewind tries to bring sb's processes back to the checkpoint of rec in place
-// (zygote.Tracks.Rewind). done says that it did, or failed with err. Otherwise the
+// (zygote.Tracks.Rewind); the caller holds sb's CRIU. done says that it did, or failed with err. Otherwise the
 // caller kills and forks as usual, with the hooks returned: hooks itself if the rewind
 // changed nothing; if it failed once begun (its processes are then dead, killed before
 // they could run), hooks that do not revert the root again when it holds the
@@ -387,11 +385,6 @@ func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote
 		return false, hooks, nil
 	}
 	t := time.Now()
-	release, err := holdCRIU(sb.CgroupName())
-	if err != nil {
-		return false, hooks, nil
-	}
-	defer release()
 	reverted := make(chan error, 1)
 	started := false
 	waitRevert := sync.OnceValue(func() error { return <-reverted })
@@ -501,18 +494,26 @@ func killAndRevert(ctx context.Context, sb *isolation.Sandbox, hooks isolation.R
 // init records each death before it reaps the process, and once their PIDs are gone
 // nothing more is written for them). asQuiesced is quietKill's.
 func holdAndKill(ctx context.Context, sb *isolation.Sandbox, quiesced func(context.Context)) (release func(), asQuiesced bool, err error) {
-	t := time.Now()
-	if release, err = holdCRIU(sb.CgroupName()); err != nil {
+	if release, err = holdCRIUPhase(ctx, sb); err != nil {
 		return nil, false, err
 	}
-	phase.Since(ctx, "hold_criu", t)
-	t = time.Now()
-	if asQuiesced, err = quietKill(ctx, sb, quiesced); err != nil {
+	if asQuiesced, err = killPhase(ctx, sb, quiesced); err != nil {
 		release()
 		return nil, false, err
 	}
-	phase.Since(ctx, "kill", t)
 	return release, asQuiesced, nil
+}
+
+// holdCRIUPhase is holdCRIU, reported as the phase "hold_criu".
+func holdCRIUPhase(ctx context.Context, sb *isolation.Sandbox) (release func(), err error) {
+	defer phase.Since(ctx, "hold_criu", time.Now())
+	return holdCRIU(sb.CgroupName())
+}
+
+// killPhase is quietKill, reported as the phase "kill".
+func killPhase(ctx context.Context, sb *isolation.Sandbox, quiesced func(context.Context)) (asQuiesced bool, err error) {
+	defer phase.Since(ctx, "kill", time.Now())
+	return quietKill(ctx, sb, quiesced)
 }
 
 // adoptStrays moves into the sandbox's freezer cgroup the strays of rec's zygotes

@@ -152,13 +152,11 @@ func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
 	// What each process wrote since it was last scanned is found now, while it is
 	// stopped and before its zygote exists: its new zygote's set starts empty.
 	tt := time.Now()
-	for i, p := range procs {
-		o.Tracks.before(p, zps[i].NSPid)
-	}
+	o.Tracks.before(procs, zps)
 	o.report("zygote_track", tt)
 	t1 := time.Now()
 	for i, p := range procs {
-		if err := capture(p, zps[i]); err != nil {
+		if err := capture(p, zps[i], o.Tracks != nil); err != nil {
 			return err
 		}
 		rec.Procs[i] = *zps[i]
@@ -231,15 +229,16 @@ func (o *CaptureOptions) scan(p *ptrace.Tracee) (*Proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := inherited(p, zp); err != nil {
+	if err := inherited(p, zp, o.Tracks != nil); err != nil {
 		return nil, err
 	}
 	zp.Cgroup = filepath.Join(o.CgroupDir, strconv.Itoa(zp.NSPid))
 	return zp, nil
 }
 
-// capture forks the zygote of a stopped process into a frozen cgroup of its own.
-func capture(p *ptrace.Tracee, zp *Proc) error {
+// capture forks the zygote of a stopped process into a frozen cgroup of its own, and
+// records the process's extended processor state for a rewind (xstate).
+func capture(p *ptrace.Tracee, zp *Proc, xstate bool) error {
 	if err := os.MkdirAll(zp.Cgroup, 0o755); err != nil {
 		return fmt.Errorf("zygote cgroup: %w", err)
 	}
@@ -278,12 +277,12 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 		zp.ZygoteNSPid, err = NSPid(z.Pid)
 	}
 	if err == nil {
-		err = sameMappings(p.Pid, zp.ranges, z.Pid)
+		err = sameMappings(p.Pid, zp.maps, z.Pid)
 	}
 	regs := p.Regs()
 	zp.Regs = &regs
 	z.SetRegs(regs)
-	if err == nil {
+	if err == nil && xstate {
 		zp.Xstate, err = p.Xstate()
 	}
 	if derr := z.Detach(); err == nil {
@@ -297,14 +296,14 @@ func capture(p *ptrace.Tracee, zp *Proc) error {
 }
 
 // sameMappings rejects a process with mappings that fork left out of its copy
-// (MADV_DONTFORK). a are the process's ranges (scanMaps), unchanged since: it is
+// (MADV_DONTFORK). a are the process's mappings (scanMaps), unchanged since: it is
 // stopped, and the scratch page of inherited is unmapped again.
-func sameMappings(pid int, a []string, zygote int) error {
-	b, err := mapRanges(zygote)
+func sameMappings(pid int, a []mapping, zygote int) error {
+	b, err := readMaps(zygote)
 	if err != nil {
 		return err
 	}
-	if !slices.Equal(a, b) {
+	if !slices.EqualFunc(a, b, func(x, y mapping) bool { return x.Range == y.Range }) {
 		return ineligible("process %d has memory that is not inherited by fork (MADV_DONTFORK)", pid)
 	}
 	return nil
@@ -312,8 +311,9 @@ func sameMappings(pid int, a []string, zygote int) error {
 
 // inherited reads, from inside the process, the state that fork resets and /proc does
 // not show: interval timers (a zygote would lose them: not eligible), the parent-death
-// signal and the child-subreaper flag (recorded, set again by Spawn).
-func inherited(p *ptrace.Tracee, zp *Proc) error {
+// signal and the child-subreaper flag (recorded, set again by Spawn); and, for a rewind
+// (brk), the program break.
+func inherited(p *ptrace.Tracee, zp *Proc, brk bool) error {
 	s, err := p.MapScratch(4096)
 	if err != nil {
 		return err
@@ -352,12 +352,14 @@ func inherited(p *ptrace.Tracee, zp *Proc) error {
 	}
 	dumpable := int(d)
 	zp.Dumpable = &dumpable
-	// The program break, which a rewind sets again (brk(0) returns it).
-	brk, err := p.Syscall(unix.SYS_BRK, 0)
-	if err != nil {
-		return fmt.Errorf("brk in %d: %w", p.Pid, err)
+	if brk {
+		// The program break, which a rewind sets again (brk(0) returns it).
+		b, err := p.Syscall(unix.SYS_BRK, 0)
+		if err != nil {
+			return fmt.Errorf("brk in %d: %w", p.Pid, err)
+		}
+		zp.Brk = uint64(b)
 	}
-	zp.Brk = uint64(brk)
 	if zp.PdeathSig != 0 {
 		// CRIU restores it while CRIU is the parent, which then exits: the signal would
 		// be delivered at once to the process restored from the durable copy.

@@ -82,9 +82,10 @@ type RewindOptions struct {
 	Phase func(name string, d time.Duration)
 }
 
-// Rewind brings the processes of a sandbox back to the checkpoint of r, in place. A *NotRewound error means that nothing was changed and Begin was not
-// called. Any other error with begun set leaves the processes in no known state: the
-// caller kills them (their tracking is dropped).
+// Rewind brings the processes of a sandbox back to the checkpoint of r, in place. A
+// *NotRewound error means that nothing was changed and Begin was not called. Any other
+// error with begun set means that the processes were killed (SIGKILL while stopped, so
+// that none ran half brought back), after Failed; their tracking is dropped.
 func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o RewindOptions) (begun bool, err error) {
 	if ts == nil {
 		return false, notRewound("the sandbox's writes are not tracked")
@@ -113,8 +114,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 	if err != nil {
 		return false, err
 	}
-	live = slices.Clone(live)
-	slices.Sort(live)
+	live = sorted(live)
 	if !slices.Equal(live, want) {
 		return false, notRewound("processes started or ended since the checkpoint")
 	}
@@ -191,7 +191,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		t = time.Now()
 		for i := range procs {
 			k := ks[order[i]]
-			d, err := k.t.Scan()
+			d, err := k.t.ScanMaps(plans[i].maps)
 			if err != nil {
 				ts.drop(k.proc.Pid)
 				return notRewound("process %d: its writes are no longer tracked: %v", k.nsPid, err)
@@ -277,6 +277,8 @@ type plan struct {
 	// in the process before the copy, for the arguments of injected calls.
 	copy    dirty.Set
 	scratch uint64
+	// maps are the process's mappings as check read them (it is stopped).
+	maps []mapping
 }
 
 type protRange struct {
@@ -299,21 +301,17 @@ func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.D
 	if !rp.Zygote.Alive() {
 		return nil, notRewound("the zygote of process %d is gone", rp.NSPid)
 	}
-	st, err := readStatus(p.Pid)
+	ps, err := statusFields(p.Pid)
 	if err != nil {
 		return nil, err
 	}
 	switch {
-	case st.threads != 1:
-		return nil, notRewound("process %d has %d threads", rp.NSPid, st.threads)
-	case strings.Trim(st.sigPnd, "0") != "" || strings.Trim(st.shdPnd, "0") != "":
+	case ps["Threads"] != "1":
+		return nil, notRewound("process %d has %s threads", rp.NSPid, ps["Threads"])
+	case strings.Trim(ps["SigPnd"], "0") != "" || strings.Trim(ps["ShdPnd"], "0") != "":
 		return nil, notRewound("process %d has pending signals", rp.NSPid)
 	}
 	if err := zv.load(rp.Zygote.Pid); err != nil {
-		return nil, err
-	}
-	ps, err := statusFields(p.Pid)
-	if err != nil {
 		return nil, err
 	}
 	for _, f := range sameStatus {
@@ -551,7 +549,7 @@ func planMaps(pid, z int, zm []mapping, rp *Proc) (*plan, error) {
 	if len(pHeap.Intersect(zHeap).Subtract(same)) > 0 {
 		return nil, notRewound("process %d changed the protection of its heap", rp.NSPid)
 	}
-	pl := &plan{zygote: z, writable: cover(zm, mapping.WritablePrivate)}
+	pl := &plan{zygote: z, writable: cover(zm, mapping.WritablePrivate), maps: pm}
 	pl.same = same.Intersect(pl.writable)
 	pl.unmap = cover(pm, all).Subtract(same).Subtract(pHeap)
 	pl.grown = zHeap.Subtract(pHeap)

@@ -190,7 +190,7 @@ func scan(pid, rootMnt int) (*Proc, error) {
 	if p.Fds, err = scanFds(pid, rootMnt); err != nil {
 		return nil, err
 	}
-	if p.Maps, p.ranges, err = scanMaps(pid); err != nil {
+	if p.Maps, p.maps, err = scanMaps(pid); err != nil {
 		return nil, err
 	}
 	if p.Locks, err = locksOf(pid, p.Fds); err != nil {
@@ -386,41 +386,27 @@ func peekPipe(link string) ([]byte, error) {
 }
 
 // scanMaps records the file-backed mappings, and rejects shared writable memory (a
-// zygote would keep sharing it with the process it copies) and deleted files.
-// It returns the address ranges of all mappings too.
-func scanMaps(pid int) ([]Map, []string, error) {
-	b, err := readProc(procDir(pid) + "/maps")
+// zygote would keep sharing it with the process it copies) and deleted files. It
+// returns all the mappings too.
+func scanMaps(pid int) ([]Map, []mapping, error) {
+	ms, err := readMaps(pid)
 	if err != nil {
 		return nil, nil, err
 	}
 	var out []Map
-	for _, l := range strings.Split(string(b), "\n") {
-		fl := strings.SplitN(l, " ", 6)
-		if len(fl) < 5 {
-			continue
+	for _, m := range ms {
+		if m.Perms[3] == 's' && m.Perms[1] == 'w' {
+			return nil, nil, ineligible("process %d maps shared writable memory (%s)", pid, orAnon(m.Path))
 		}
-		perms := fl[1]
-		path := ""
-		if len(fl) == 6 {
-			path = strings.TrimSpace(fl[5])
-		}
-		if perms[3] == 's' && perms[1] == 'w' {
-			return nil, nil, ineligible("process %d maps shared writable memory (%s)", pid, orAnon(path))
-		}
-		if !strings.HasPrefix(path, "/") {
+		if !strings.HasPrefix(m.Path, "/") {
 			continue // anonymous, [heap], [stack], [vdso], [vvar]
 		}
-		if strings.HasSuffix(path, " (deleted)") {
-			return nil, nil, ineligible("process %d maps a deleted file (%s)", pid, path)
+		if strings.HasSuffix(m.Path, " (deleted)") {
+			return nil, nil, ineligible("process %d maps a deleted file (%s)", pid, m.Path)
 		}
-		lo, _, _ := strings.Cut(fl[0], "-")
-		start, err := strconv.ParseUint(lo, 16, 64)
-		if err != nil {
-			return nil, nil, err
-		}
-		out = append(out, Map{Start: start, Path: path})
+		out = append(out, Map{Start: m.Start, Path: m.Path})
 	}
-	return out, rangesOf(b), nil
+	return out, ms, nil
 }
 
 // readProc reads a /proc file of unknown size in reads of 64 KiB: each read of a
@@ -455,27 +441,6 @@ func orAnon(path string) string {
 		return "anonymous"
 	}
 	return path
-}
-
-// mapRanges are the address ranges of pid's mappings, to compare a zygote's with its
-// original's (a range marked MADV_DONTFORK is missing in the zygote).
-func mapRanges(pid int) ([]string, error) {
-	b, err := readProc(procDir(pid) + "/maps")
-	if err != nil {
-		return nil, err
-	}
-	return rangesOf(b), nil
-}
-
-// rangesOf returns the address range of each line of a maps file.
-func rangesOf(maps []byte) []string {
-	var out []string
-	for _, l := range strings.Split(string(maps), "\n") {
-		if r, _, ok := strings.Cut(l, " "); ok {
-			out = append(out, r)
-		}
-	}
-	return out
 }
 
 // locksOf records the POSIX locks pid holds, from the "lock:" lines of its fdinfo (not

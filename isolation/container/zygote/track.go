@@ -58,37 +58,42 @@ type track struct {
 // Supported says whether this kernel can track writes (dirty.Supported).
 func Supported() error { return dirty.Supported() }
 
-// before is called during a capture with p stopped, before its zygote is forked: it
-// starts tracking p, or scans what p wrote since its last scan into every set (now,
-// while p is stopped, so that the new zygote's set starts empty: a scan after the
-// checkpoint would put the pages written before it in the new set too, and a rewind
-// there would read them all again). A process that cannot be tracked is not (its
-// rollbacks fork), and the capture goes on.
-func (ts *Tracks) before(p *ptrace.Tracee, nsPid int) {
+// before is called during a capture with the processes stopped, before their zygotes
+// are forked (zps, as scanned: their mappings read then still hold): it starts tracking
+// each process, or scans what it wrote since its last scan into every set (now, while
+// it is stopped, so that the new zygote's set starts empty: a scan after the checkpoint
+// would put the pages written before it in the new set too, and a rewind there would
+// copy them all again). A process that cannot be tracked is not (its rollbacks fork),
+// and the capture goes on.
+func (ts *Tracks) before(procs []*ptrace.Tracee, zps []*Proc) {
 	if ts == nil {
 		return
 	}
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
 	ts.gc()
-	if k := ts.procs[p.Pid]; k != nil {
-		if err := k.scan(); err == nil {
-			return
+	for i, p := range procs {
+		if k := ts.procs[p.Pid]; k != nil {
+			d, err := k.t.ScanMaps(zps[i].maps)
+			if err == nil {
+				k.add(d)
+				continue
+			}
+			ts.drop(p.Pid)
 		}
-		ts.drop(p.Pid)
+		proc, err := isolation.ProcOf(p.Pid)
+		if err != nil {
+			continue
+		}
+		t, err := dirty.Register(p)
+		if err != nil {
+			continue
+		}
+		if ts.procs == nil {
+			ts.procs = map[int]*track{}
+		}
+		ts.procs[p.Pid] = &track{proc: proc, nsPid: zps[i].NSPid, t: t, differ: map[isolation.Proc]dirty.Set{}}
 	}
-	proc, err := isolation.ProcOf(p.Pid)
-	if err != nil {
-		return
-	}
-	t, err := dirty.Register(p)
-	if err != nil {
-		return
-	}
-	if ts.procs == nil {
-		ts.procs = map[int]*track{}
-	}
-	ts.procs[p.Pid] = &track{proc: proc, nsPid: nsPid, t: t, differ: map[isolation.Proc]dirty.Set{}}
 }
 
 // captured starts the sets of the zygotes just made: those of rec, of the processes

@@ -47,6 +47,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cairn-sandbox/cairn/internal/dirty"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
 )
@@ -104,9 +105,9 @@ type Proc struct {
 
 	// spawned is the process Spawn forked from the zygote, until park detaches it.
 	spawned *ptrace.Tracee
-	// ranges are the address ranges of the process's mappings when it was scanned,
-	// to compare its zygote's with (not recorded).
-	ranges []string
+	// maps are the process's mappings when it was scanned (it stays stopped: they
+	// hold until its zygote is forked), not recorded.
+	maps []dirty.Mapping
 }
 
 // Inode names a file of the sandbox's root by path, with the identity it had.
