@@ -71,6 +71,7 @@ func Run(t *testing.T, h Harness) {
 		{"CrashMidRollback", testCrashRollback},
 		{"ZygotesSealed", testZygotesSealed},
 		{"Rewind", testRewind},
+		{"CrashMidRewind", testCrashRewind},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) { tc.fn(t, h) })
@@ -136,37 +137,45 @@ var markerSeq int
 // fresh marker. Output since the last ask is ignored, so it works across rollbacks.
 func ask(t *testing.T, h Harness, id, p, code string) string {
 	t.Helper()
-	ctx := context.Background()
+	out, err := tell(context.Background(), h.Engine, id, p, code)
+	if err != nil {
+		diag := ""
+		if h.Diagnose != nil {
+			diag = "; " + h.Diagnose(id)
+		}
+		t.Fatalf("%v%s", err, diag)
+	}
+	return out
+}
+
+// tell is ask without a test: a crash-test child talks to the REPL through its own
+// engine.
+func tell(ctx context.Context, e *engine.Engine, id, p, code string) (string, error) {
 	markerSeq++
 	marker := fmt.Sprintf("@@cairn-%d-%d@@", time.Now().UnixNano(), markerSeq)
-	_, off, err := h.Engine.Output(ctx, id, p, "stdout", 0)
+	_, off, err := e.Output(ctx, id, p, "stdout", 0)
 	if err != nil {
-		t.Fatalf("output: %v", err)
+		return "", fmt.Errorf("output: %w", err)
 	}
-	if err := h.Engine.Stdin(ctx, id, p, []byte(code+"\n\nprint("+fmt.Sprintf("%q", marker)+")\n"), false); err != nil {
-		t.Fatalf("stdin: %v", err)
+	if err := e.Stdin(ctx, id, p, []byte(code+"\n\nprint("+fmt.Sprintf("%q", marker)+")\n"), false); err != nil {
+		return "", fmt.Errorf("stdin: %w", err)
 	}
 	deadline := time.Now().Add(60 * time.Second)
 	var got strings.Builder
 	for time.Now().Before(deadline) {
-		b, next, err := h.Engine.Output(ctx, id, p, "stdout", off)
+		b, next, err := e.Output(ctx, id, p, "stdout", off)
 		if err != nil {
-			t.Fatalf("output: %v", err)
+			return "", fmt.Errorf("output: %w", err)
 		}
 		got.Write(b)
 		off = next
 		if i := strings.Index(got.String(), marker); i >= 0 {
-			return strings.TrimSpace(got.String()[:i])
+			return strings.TrimSpace(got.String()[:i]), nil
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	errb, _, _ := h.Engine.Output(ctx, id, p, "stderr", 0)
-	diag := ""
-	if h.Diagnose != nil {
-		diag = "; " + h.Diagnose(id)
-	}
-	t.Fatalf("REPL did not answer %q; stdout so far %q; stderr %q%s", code, got.String(), tail(string(errb), 500), diag)
-	return ""
+	errb, _, _ := e.Output(ctx, id, p, "stderr", 0)
+	return "", fmt.Errorf("REPL did not answer %q; stdout so far %q; stderr %q", code, got.String(), tail(string(errb), 500))
 }
 
 func tail(s string, n int) string {

@@ -2,6 +2,7 @@ package conformance
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -162,6 +163,65 @@ func testCrashRollback(t *testing.T, h Harness) {
 			// Rolled back again from its zygotes, which a crash leaves usable: the
 			// checkpoint is still resident (a restore of images would have ended them).
 			wantResident(t, h, good)
+		})
+	}
+}
+
+// testCrashRewind kills cairn in the middle of a rewind in place (Harness.Rewinds):
+// with the processes stopped and parked and the root's revert running beside
+// (rewind-begun), with their memory brought back but not their descriptors
+// (rewind-copied), and with everything brought back but the processes still held
+// (rewind-fixed). The crash child checkpoints and rolls back with its own engine, as a
+// rewind needs the writes tracked by the engine that rolls back (crashRewind). The next
+// engine finds the rollback's mark, kills the parked processes and forks them from the
+// checkpoint's zygotes: one REPL, in the checkpoint's state, and the checkpoint's file.
+func testCrashRewind(t *testing.T, h Harness) {
+	if !h.Rewinds || h.Crash == nil {
+		t.Skip("this backend (or kernel) does not rewind processes in place")
+	}
+	ctx := context.Background()
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	for i, point := range []string{"rewind-begun", "rewind-copied", "rewind-fixed"} {
+		t.Run(point, func(t *testing.T) {
+			x := strconv.Itoa(10 + i)
+			ask(t, h, id, p, "x = "+x)
+			sh(t, h, id, "echo two > /file")
+			h.Crash(t, id, point+":rewind:"+p)
+			e2, err := h.Reopen()
+			if err != nil {
+				t.Fatalf("reopen after crash: %v", err)
+			}
+			defer e2.Close()
+			if leftovers := e2.Leftovers(); len(leftovers) > 0 {
+				t.Fatalf("leftovers after recovery from a crash at %s: %v", point, leftovers)
+			}
+			sb, err := e2.Get(ctx, id)
+			if err != nil || sb.State != model.StateRunning {
+				t.Fatalf("sandbox after crash: %+v %v (want running)", sb, err)
+			}
+			head, err := e2.GetCheckpoint(ctx, sb.Head)
+			if err != nil || head.Label != "rewind-target" {
+				t.Fatalf("head after crash: %+v %v (want the child's checkpoint rewind-target)", head, err)
+			}
+			want(t, "REPL after crash", ask(t, h, id, p, "print(x)"), x)
+			want(t, "file after crash", sh(t, h, id, "cat /file"), "two\n")
+			// One REPL (the zygotes are not readable): the parked one was ended, not
+			// left beside its fork.
+			if _, out, _ := run(t, h, id, "python3", "-c", sealedProbe); strings.Count(out, " readable") != 1 {
+				t.Fatalf("REPLs after crash (pid readable|denied, denied are zygotes):\n%s", out)
+			}
+			// The recovered engine rewinds it again once a checkpoint of its own tracks
+			// it (and stops tracking it when closed, for the next crash child).
+			h2 := h
+			h2.Engine = e2
+			again := checkpoint(t, h2, id, "again")
+			ask(t, h2, id, p, "x = -1")
+			path := rollbackPath(t, h2, id, again)
+			want(t, "REPL after a rollback", ask(t, h2, id, p, "print(x)"), x)
+			if path != "rewound" {
+				t.Fatalf("rollback after recovery took the path %q, want rewound", path)
+			}
 		})
 	}
 }

@@ -13,7 +13,8 @@ import (
 )
 
 // CrashEnv carries "SANDBOX:POINT" to a crash-test child process, which checkpoints
-// the sandbox, or "SANDBOX:POINT:CHECKPOINT", which rolls it back to CHECKPOINT.
+// the sandbox, "SANDBOX:POINT:CHECKPOINT", which rolls it back to CHECKPOINT, or
+// "SANDBOX:POINT:rewind:PROCESS" (crashRewind).
 const CrashEnv = "CAIRN_CONFORMANCE_CRASH"
 
 // CrashMain is called by a backend test's TestMain. In a crash-test child (CrashEnv
@@ -25,7 +26,7 @@ func CrashMain(open func() (*engine.Engine, error)) {
 	if v == "" {
 		return
 	}
-	parts := strings.SplitN(v, ":", 3)
+	parts := strings.SplitN(v, ":", 4)
 	id, point := parts[0], parts[1]
 	os.Setenv("CAIRN_TEST_CRASH_AT", point)
 	e, err := open()
@@ -34,15 +35,35 @@ func CrashMain(open func() (*engine.Engine, error)) {
 		os.Exit(3)
 	}
 	what := "checkpoint"
-	if len(parts) == 3 {
+	switch {
+	case len(parts) == 4 && parts[2] == "rewind":
+		what = "rewind"
+		err = crashRewind(e, id, parts[3])
+	case len(parts) == 3:
 		what = "rollback"
 		err = e.Rollback(context.Background(), id, parts[2])
-	} else {
+	default:
 		_, err = e.Checkpoint(context.Background(), id, engine.CheckpointOptions{Label: "doomed"})
 	}
 	e.Close() // background work: the crash may be there
 	os.Stderr.WriteString("crash child: " + what + " returned without crashing: " + errString(err) + "\n")
 	os.Exit(4)
+}
+
+// crashRewind is the child of a crash in the middle of a rewind: a rewind needs the
+// processes' writes tracked by the engine that rolls back, so the child checkpoints
+// the sandbox itself ("rewind-target"), changes the REPL proc's x and /file (x = 3,
+// "three"), and rolls back to its checkpoint, a rewind, which dies at its point.
+func crashRewind(e *engine.Engine, id, proc string) error {
+	ctx := context.Background()
+	ck, err := e.Checkpoint(ctx, id, engine.CheckpointOptions{Label: "rewind-target"})
+	if err != nil {
+		return err
+	}
+	if _, err := tell(ctx, e, id, proc, `x = 3; open("/file", "w").write("three\n")`); err != nil {
+		return err
+	}
+	return e.Rollback(ctx, id, ck.ID)
 }
 
 func errString(err error) string {

@@ -230,7 +230,7 @@ func (e *Engine) Close() error {
 	e.bgWG.Wait()
 	for _, b := range e.backends {
 		if c, ok := b.(io.Closer); ok {
-			c.Close() // idle CRIU workers (isolation/container)
+			c.Close() // idle CRIU workers, tracking of writes (isolation/container)
 		}
 	}
 	if e.imgPool != nil {

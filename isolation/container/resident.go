@@ -89,6 +89,17 @@ func (r *residents) untrack(sb *isolation.Sandbox) {
 	ts.Close()
 }
 
+// untrackAll stops following the writes of every sandbox's processes.
+func (r *residents) untrackAll() {
+	r.mu.Lock()
+	all := r.tracks
+	r.tracks = nil
+	r.mu.Unlock()
+	for _, ts := range all {
+		ts.Close()
+	}
+}
+
 // forget drops every sandbox's sets for the zygotes of rec.
 func (r *residents) forget(rec *zygote.Record) {
 	r.mu.Lock()

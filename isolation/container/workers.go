@@ -153,9 +153,13 @@ func (p *restorePool) take(background bool) *criu.Worker {
 }
 
 // Close stops the backend's idle CRIU workers (each holds a process and a network
-// namespace). The backend still works after it: later checkpoints and restores start
-// CRIU themselves, and start new workers.
+// namespace) and its tracking of the sandboxes' writes (each tracked process has its
+// memory registered with a userfaultfd of cairn's, which another engine, or CRIU, would
+// find taken). The backend still works after it: later checkpoints and restores start
+// CRIU themselves, and start new workers; rollbacks fork until a checkpoint tracks the
+// processes again.
 func (b *Backend) Close() error {
+	b.res.untrackAll()
 	b.workers.mu.Lock()
 	var idle []*poolWorker
 	for id, pw := range b.workers.byID {

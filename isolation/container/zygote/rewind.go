@@ -77,8 +77,9 @@ type RewindOptions struct {
 	// still stopped, before Rewind kills them (they are in no known state: none may
 	// run an instruction of its own again).
 	Failed func()
-	// Phase, if set, is told how long each phase took ("stop", "check", "scan",
-	// "memory", "reverted", "fixups", "sets").
+	// Phase, if set, is told how long each phase took ("lock", "live", "do" (the wait
+	// for the tracer's thread), "stop", "check", "scan", "memory", "reverted",
+	// "fixups", "sets", "detach").
 	Phase func(name string, d time.Duration)
 }
 
@@ -90,8 +91,11 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 	if ts == nil {
 		return false, notRewound("the sandbox's writes are not tracked")
 	}
+	t0 := time.Now()
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
+	report(o.Phase, "lock", t0)
+	t0 = time.Now()
 	ts.gc()
 	ks := make([]*track, len(r.Procs))
 	var want []int
@@ -118,6 +122,8 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 	if !slices.Equal(live, want) {
 		return false, notRewound("processes started or ended since the checkpoint")
 	}
+	report(o.Phase, "live", t0)
+	t0 = time.Now()
 	// ks in the order of live (stopAll's), with their records.
 	order := make([]int, len(live))
 	for i, pid := range live {
@@ -135,9 +141,12 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		}
 	}()
 	err = tr.Do(func() (err error) {
+		report(o.Phase, "do", t0)
 		t := time.Now()
 		procs, stopped, err := stopAll(live)
 		defer func() {
+			t := time.Now()
+			defer report(o.Phase, "detach", t)
 			if begun && err != nil {
 				if o.Failed != nil {
 					o.Failed()
@@ -211,6 +220,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		if err := o.Begin(); err != nil {
 			return err
 		}
+		crashPoint("rewind-begun") // the root's revert runs beside
 		t = time.Now()
 		for i, p := range procs {
 			if err := plans[i].apply(p, &r.Procs[order[i]], o.Phase); err != nil {
@@ -218,6 +228,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			}
 		}
 		report(o.Phase, "memory", t)
+		crashPoint("rewind-copied")
 		if RewindFault != nil {
 			if err := RewindFault(); err != nil {
 				return err
@@ -236,6 +247,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			}
 		}
 		report(o.Phase, "fixups", t)
+		crashPoint("rewind-fixed")
 		// The process is its zygote again: that zygote's set starts empty, and what
 		// the others' lacked of the pages it may have differed in is added to them.
 		// The copies, the mappings made again and the scratch of the fixups are
