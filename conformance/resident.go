@@ -125,6 +125,21 @@ func waitRunning(t *testing.T, h Harness, id, name string) {
 	t.Fatalf("no %s process in sandbox %s", name, id)
 }
 
+// recovered opens the next engine after a crash at point, closed when the test ends,
+// and checks that its recovery left nothing behind.
+func recovered(t *testing.T, h Harness, point string) *engine.Engine {
+	t.Helper()
+	e2, err := h.Reopen()
+	if err != nil {
+		t.Fatalf("reopen after crash: %v", err)
+	}
+	t.Cleanup(func() { e2.Close() })
+	if leftovers := e2.Leftovers(); len(leftovers) > 0 {
+		t.Fatalf("leftovers after recovery from a crash at %s: %v", point, leftovers)
+	}
+	return e2
+}
+
 // testCrashRollback kills cairn in the middle of a rollback through zygotes (the
 // processes killed, the root being reverted; the processes forked again, not yet fixed
 // up; forked and recorded, not yet committed): the next engine finds the sandbox by its
@@ -146,14 +161,7 @@ func testCrashRollback(t *testing.T, h Harness) {
 			ask(t, h, id, p, "x = 2")
 			sh(t, h, id, "echo two > /file")
 			h.Crash(t, id, point+":"+good)
-			e2, err := h.Reopen()
-			if err != nil {
-				t.Fatalf("reopen after crash: %v", err)
-			}
-			defer e2.Close()
-			if leftovers := e2.Leftovers(); len(leftovers) > 0 {
-				t.Fatalf("leftovers after recovery from a crash at %s: %v", point, leftovers)
-			}
+			e2 := recovered(t, h, point)
 			sb, err := e2.Get(ctx, id)
 			if err != nil || sb.State != model.StateRunning || sb.Head != good {
 				t.Fatalf("sandbox after crash: %+v %v (want running, head %s)", sb, err, good)
@@ -188,14 +196,7 @@ func testCrashRewind(t *testing.T, h Harness) {
 			ask(t, h, id, p, "x = "+x)
 			sh(t, h, id, "echo two > /file")
 			h.Crash(t, id, point+":rewind:"+p)
-			e2, err := h.Reopen()
-			if err != nil {
-				t.Fatalf("reopen after crash: %v", err)
-			}
-			defer e2.Close()
-			if leftovers := e2.Leftovers(); len(leftovers) > 0 {
-				t.Fatalf("leftovers after recovery from a crash at %s: %v", point, leftovers)
-			}
+			e2 := recovered(t, h, point) // closed before the next crash child: it tracks
 			sb, err := e2.Get(ctx, id)
 			if err != nil || sb.State != model.StateRunning {
 				t.Fatalf("sandbox after crash: %+v %v (want running)", sb, err)
