@@ -69,9 +69,7 @@ func (r *Report) Print(w io.Writer) {
 	if br := r.Backends[r.primaryIsolation()]; br != nil {
 		printPhases(w, "", "checkpoint", br.CheckpointPhasesP50MS)
 		printPhases(w, "", "rollback", br.RollbackPhasesP50MS)
-		if br.RollbacksRewound+br.RewindsRefused > 0 {
-			fmt.Fprintf(w, "rollbacks rewound in place: %d; rewinds refused (forked from the zygotes): %d\n", br.RollbacksRewound, br.RewindsRefused)
-		}
+		printRewinds(w, "", br.RollbacksRewound, br.RewindsRefused)
 	}
 	s := r.StorageBytesPerCheckpoint
 	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s; dumped on the critical path: p50 %s)\n",
@@ -103,6 +101,14 @@ func printResident(w io.Writer, indent string, st engineStats) {
 		n := float64(st.Reverts)
 		fmt.Fprintf(w, "%sroots reverted in place: %d, on average %.0f operations: snapshot of the live root %.1f ms, difference %.1f ms, apply %.1f ms\n",
 			indent, st.Reverts, float64(st.RevertOps)/n, st.RevertSnapshotMS/n, st.RevertSendMS/n, st.RevertApplyMS/n)
+	}
+}
+
+// printRewinds writes how many rollbacks were rewound in place and how many refused,
+// if any was tried.
+func printRewinds(w io.Writer, indent string, rewound, refused int) {
+	if rewound+refused > 0 {
+		fmt.Fprintf(w, "%srollbacks rewound in place: %d; rewinds refused (forked from the zygotes): %d\n", indent, rewound, refused)
 	}
 }
 
@@ -148,9 +154,7 @@ func (r *Report) printSearch(w io.Writer) {
 		printResident(w, "  ", x.Standby)
 		printPhases(w, "  ", "checkpoint", x.CheckpointPhasesP50MS)
 		printPhases(w, "  ", "rollback", x.RollbackPhasesP50MS)
-		if x.RollbacksRewound+x.RewindsRefused > 0 {
-			fmt.Fprintf(w, "  rollbacks rewound in place: %d; rewinds refused: %d\n", x.RollbacksRewound, x.RewindsRefused)
-		}
+		printRewinds(w, "  ", x.RollbacksRewound, x.RewindsRefused)
 	}
 	if r.W3 != nil {
 		x := r.W3

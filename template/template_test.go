@@ -24,19 +24,14 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/testenv/prereq"
 )
 
 // requireRoot skips tests that need root (chown, mknod) on developer machines; CI
 // runs as root, so there a missing privilege is a failure.
 func requireRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("CI") == "true" {
-		t.Fatal("template tests need root (chown, mknod) and CI must run them as root")
-	}
-	t.Skip("needs root to create files owned by other users and device nodes")
+	prereq.Root(t, "template tests need root (chown, mknod: files owned by other users, device nodes)")
 }
 
 // entry is one line of a tree listing.

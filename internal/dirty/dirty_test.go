@@ -11,6 +11,7 @@ import (
 	"unsafe"
 
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
+	"github.com/cairn-sandbox/cairn/internal/testenv/prereq"
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
 )
@@ -668,7 +669,7 @@ func TestDroppable(t *testing.T) {
 	const mapDroppable, mapAnonymous = 0x08, 0x20
 	got := f.r.try(t, "mapflags %x %x", 16*pageSize, mapDroppable|mapAnonymous)
 	if got[0] == "error" {
-		skip(t, fmt.Sprintf("this kernel has no MAP_DROPPABLE (Linux 6.11): %v", got))
+		prereq.Missing(t, fmt.Sprintf("this kernel has no MAP_DROPPABLE (Linux 6.11): %v", got))
 	}
 	var err error
 	stopped(t, f.tr, f.r.pid, func(p *ptrace.Tracee) error {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/internal/seccomp"
+	"github.com/cairn-sandbox/cairn/internal/testenv/prereq"
 	"golang.org/x/sys/unix"
 )
 
@@ -204,7 +205,7 @@ func startReplica(t *testing.T, filtered bool) *replica {
 	requireRoot(t)
 	python, err := pythonPath()
 	if err != nil {
-		skip(t, err.Error())
+		prereq.Missing(t, err.Error())
 	}
 	cr, cw, err := os.Pipe()
 	if err != nil {
@@ -295,18 +296,5 @@ func stopped(t *testing.T, tr *ptrace.Tracer, pid int, f func(p *ptrace.Tracee) 
 
 func requireRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		skip(t, "tracing another process's memory needs root")
-	}
-}
-
-// skip skips outside CI and fails in CI, where every prerequisite must be present (as
-// internal/testenv.Require does; that package imports the engine, a heavy dependency
-// for these tests).
-func skip(t *testing.T, why string) {
-	t.Helper()
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("prerequisite missing in CI: %s", why)
-	}
-	t.Skipf("skipping: %s", why)
+	prereq.Root(t, "tracing another process's memory needs root")
 }

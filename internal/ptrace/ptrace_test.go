@@ -12,6 +12,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/internal/testenv/prereq"
 )
 
 // TestMain lets the test binary act as a tracer that dies (TestTracerDies).
@@ -163,7 +165,7 @@ type child struct {
 func startReplica(t *testing.T) *child {
 	t.Helper()
 	if _, err := exec.LookPath("python3"); err != nil {
-		skip(t, "python3 not found")
+		prereq.Missing(t, "python3 not found")
 	}
 	cr, cw, err := os.Pipe()
 	if err != nil {
@@ -217,19 +219,7 @@ func waitState(t *testing.T, pid int, state string) {
 
 func requireRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		skip(t, "ptrace of arbitrary processes needs root")
-	}
-}
-
-// skip skips outside CI and fails in CI, where every prerequisite must be present.
-// (internal/testenv would do, but it imports the engine, which imports this package.)
-func skip(t *testing.T, why string) {
-	t.Helper()
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("prerequisite missing in CI: %s", why)
-	}
-	t.Skipf("skipping: %s", why)
+	prereq.Root(t, "ptrace of arbitrary processes needs root")
 }
 
 // stop seizes and stops pid on tr's thread.

@@ -17,6 +17,7 @@ import (
 
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/engine"
+	"github.com/cairn-sandbox/cairn/internal/testenv/prereq"
 	"github.com/cairn-sandbox/cairn/template"
 )
 
@@ -42,13 +43,9 @@ func Require(t testing.TB) {
 			missing = "mkfs.btrfs not found (run scripts/install-deps.sh)"
 		}
 	}
-	if missing == "" {
-		return
+	if missing != "" {
+		prereq.Missing(t, missing)
 	}
-	if os.Getenv("CI") == "true" {
-		t.Fatalf("prerequisite missing in CI: %s", missing)
-	}
-	t.Skipf("skipping: %s", missing)
 }
 
 // RepoRoot returns the repository's root directory.

@@ -31,7 +31,7 @@ func (b *Backend) Checkpoint(ctx context.Context, sb *isolation.Sandbox, dir str
 		// They are init's children: CRIU would dump them with the tree.
 		return errdefs.FailedPrecondition("sandbox %s has resident checkpoints (zygotes): end them before a CRIU dump of its tree", sb.ID)
 	}
-	b.res.untrack(sb)
+	b.res.untrack(sb.Init)
 	// CRIU's start-up is taken off the freeze: a worker started after the previous
 	// checkpoint, or one starting now while the tree is frozen and the hook runs.
 	worker := b.workers.take(sb)

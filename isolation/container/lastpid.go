@@ -59,15 +59,14 @@ func (r *residents) helper(init isolation.Proc) (*lastPidHelper, error) {
 	return h, nil
 }
 
-// stopped forgets (and ends) the helper of a sandbox that stops.
+// stopped forgets (and ends) the helper of a sandbox that stops, and stops tracking its
+// processes.
 func (r *residents) stopped(init isolation.Proc) {
 	r.mu.Lock()
 	h := r.lastPid[init]
 	delete(r.lastPid, init)
-	ts := r.tracks[init]
-	delete(r.tracks, init)
 	r.mu.Unlock()
-	ts.Close()
+	r.untrack(init)
 	if h != nil {
 		h.in.Close()
 		h.cmd.Process.Kill()

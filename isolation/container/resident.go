@@ -79,12 +79,13 @@ func (b *Backend) tracks(sb *isolation.Sandbox, make bool) *zygote.Tracks {
 	return b.res.tracksOf(sb, make)
 }
 
-// untrack stops following the writes of sb's processes: before CRIU dumps them (their
-// memory registered with cairn's userfaultfd is not what CRIU expects of a process).
-func (r *residents) untrack(sb *isolation.Sandbox) {
+// untrack stops following the writes of the processes of the sandbox of init: before
+// CRIU dumps them (their memory registered with cairn's userfaultfd is not what CRIU
+// expects of a process), and once init is gone.
+func (r *residents) untrack(init isolation.Proc) {
 	r.mu.Lock()
-	ts := r.tracks[sb.Init]
-	delete(r.tracks, sb.Init)
+	ts := r.tracks[init]
+	delete(r.tracks, init)
 	r.mu.Unlock()
 	ts.Close()
 }
@@ -317,15 +318,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	// records) and CRIU is held, as nothing else writes there until the reload, and it
 	// goes on while init is frozen and the zygotes fork (a fork copies memory and
 	// descriptors, not files; the fixups after it need the checkpoint's files).
-	reverted := make(chan error, 1)
-	go func() {
-		err := hooks.Revert(ctx, asQuiesced)
-		if err != nil {
-			err = fmt.Errorf("revert the root of %s: %w", sb.ID, err)
-		}
-		reverted <- err
-	}()
-	waitRevert := sync.OnceValue(func() error { return <-reverted })
+	waitRevert := startRevert(ctx, sb, hooks, asQuiesced)
 	// Init is frozen while the processes are forked: its Go runtime starts threads
 	// whenever it likes, and each takes the next PID of the namespace.
 	t = time.Now()
@@ -396,9 +389,7 @@ func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote
 		return false, hooks, nil
 	}
 	t := time.Now()
-	reverted := make(chan error, 1)
-	started := false
-	waitRevert := sync.OnceValue(func() error { return <-reverted })
+	var waitRevert func() error // set once the revert started
 	var marks *records
 	var live []int // the processes last listed: those a failed rewind killed
 	begun, err := ts.Rewind(ctx, b.res.tr(), rec, zygote.RewindOptions{
@@ -414,28 +405,21 @@ func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote
 			if asQuiesced {
 				hooks.Quiesced(ctx)
 			}
-			started = true
-			go func() {
-				err := hooks.Revert(ctx, asQuiesced)
-				if err != nil {
-					err = fmt.Errorf("revert the root of %s: %w", sb.ID, err)
-				}
-				reverted <- err
-			}()
+			waitRevert = startRevert(ctx, sb, hooks, asQuiesced)
 			return nil
 		},
-		Reverted: waitRevert,
+		Reverted: func() error { return waitRevert() },
 		Failed: func() {
 			// Once the revert is done, the root's records are noted, so that the exit
 			// records of the kill that follows can be undone.
-			if started && waitRevert() == nil {
+			if waitRevert != nil && waitRevert() == nil {
 				marks, _ = markRecords(sb.Root)
 			}
 		},
 		Phase: prefixed(ctx, "rewind_"),
 	})
 	var rerr error
-	if started {
+	if waitRevert != nil {
 		rerr = waitRevert()
 		if err == nil {
 			err = rerr
@@ -473,6 +457,20 @@ func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote
 		return hooks.Revert(ctx, false)
 	}}
 	return false, next, nil
+}
+
+// startRevert starts hooks.Revert on another goroutine and returns what waits for its
+// end (as often as called).
+func startRevert(ctx context.Context, sb *isolation.Sandbox, hooks isolation.RollbackHooks, asQuiesced bool) func() error {
+	reverted := make(chan error, 1)
+	go func() {
+		err := hooks.Revert(ctx, asQuiesced)
+		if err != nil {
+			err = fmt.Errorf("revert the root of %s: %w", sb.ID, err)
+		}
+		reverted <- err
+	}()
+	return sync.OnceValue(func() error { return <-reverted })
 }
 
 // reload makes sb's init learn its processes again from its root (/.cairn/proc).

@@ -16,19 +16,14 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/testenv/prereq"
 )
 
 // requireRoot skips the test unless it runs as root (loop devices, mount and btrfs ioctls
 // need it); in CI a missing privilege is a failure, not a skip.
 func requireRoot(tb testing.TB) {
 	tb.Helper()
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("CI") == "true" {
-		tb.Fatal("btrfs tests need root (loop devices, mount, btrfs ioctls); run CI as root")
-	}
-	tb.Skip("btrfs tests need root (loop devices, mount, btrfs ioctls); run them as root")
+	prereq.Root(tb, "btrfs tests need root (loop devices, mount, btrfs ioctls)")
 }
 
 func testConfig(tb testing.TB, size int64) Config {

@@ -277,7 +277,7 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool) error {
 		zp.ZygoteNSPid, err = NSPid(z.Pid)
 	}
 	if err == nil {
-		err = sameMappings(p.Pid, zp.maps, z.Pid)
+		zp.zygoteMaps, err = sameMappings(p.Pid, zp.maps, z.Pid)
 	}
 	regs := p.Regs()
 	zp.Regs = &regs
@@ -296,17 +296,17 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool) error {
 }
 
 // sameMappings rejects a process with mappings that fork left out of its copy
-// (MADV_DONTFORK). a are the process's mappings (scanMaps), unchanged since: it is
-// stopped, and the scratch page of inherited is unmapped again.
-func sameMappings(pid int, a []mapping, zygote int) error {
+// (MADV_DONTFORK), and returns the zygote's. a are the process's mappings (scanMaps),
+// unchanged since: it is stopped, and the scratch page of inherited is unmapped again.
+func sameMappings(pid int, a []mapping, zygote int) ([]mapping, error) {
 	b, err := readMaps(zygote)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if !slices.EqualFunc(a, b, func(x, y mapping) bool { return x.Range == y.Range }) {
-		return ineligible("process %d has memory that is not inherited by fork (MADV_DONTFORK)", pid)
+		return nil, ineligible("process %d has memory that is not inherited by fork (MADV_DONTFORK)", pid)
 	}
-	return nil
+	return b, nil
 }
 
 // inherited reads, from inside the process, the state that fork resets and /proc does

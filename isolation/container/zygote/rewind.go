@@ -370,7 +370,7 @@ type zygoteView struct {
 // viewFiles are the /proc files of a process a rewind compares with its zygote's.
 var viewFiles = []string{"limits", "comm", "personality", "root"}
 
-// load reads the zygote z's view, unless it has.
+// load reads the zygote z's view, unless it has (its mappings, unless given).
 func (zv *zygoteView) load(z int) error {
 	if zv.status != nil {
 		return nil
@@ -387,11 +387,12 @@ func (zv *zygoteView) load(z int) error {
 		}
 		files = append(files, b)
 	}
-	maps, err := readMaps(z)
-	if err != nil {
-		return err
+	if zv.maps == nil {
+		if zv.maps, err = readMaps(z); err != nil {
+			return err
+		}
 	}
-	zv.status, zv.files, zv.maps = st, files, maps
+	zv.status, zv.files = st, files
 	return nil
 }
 

@@ -104,23 +104,24 @@ func (ts *Tracks) captured(rec *Record, pids []int) {
 	}
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
-	var zs []isolation.Proc
+	var zs []Proc
 	for i, pid := range pids {
 		if k := ts.procs[pid]; k != nil && i < len(rec.Procs) {
 			k.differ[rec.Procs[i].Zygote] = nil
-			zs = append(zs, rec.Procs[i].Zygote)
+			zs = append(zs, rec.Procs[i])
 		}
 	}
 	go ts.preload(zs)
 }
 
-// preload reads the views of the zygotes zs (they never change) off the critical path
-// of a later rewind to them, which would otherwise read them first (~1 ms for a Python
-// REPL's status and mappings; W1 rewinds to a zygote once or twice, most of them to one
-// not seen before).
-func (ts *Tracks) preload(zs []isolation.Proc) {
-	for _, z := range zs {
-		var zv zygoteView
+// preload makes the views of the zygotes of ps (they never change) off the critical
+// path of a later rewind to them, which would otherwise read them first (~1 ms for a
+// Python REPL's status and mappings; W1 rewinds to a zygote once or twice, most of them
+// to one not seen before). Their mappings are those the capture read.
+func (ts *Tracks) preload(ps []Proc) {
+	for _, p := range ps {
+		z := p.Zygote
+		zv := zygoteView{maps: p.zygoteMaps}
 		if err := zv.load(z.Pid); err != nil || !z.Alive() {
 			continue // a rewind reads it (and finds what is wrong) itself
 		}

@@ -106,8 +106,9 @@ type Proc struct {
 	// spawned is the process Spawn forked from the zygote, until park detaches it.
 	spawned *ptrace.Tracee
 	// maps are the process's mappings when it was scanned (it stays stopped: they
-	// hold until its zygote is forked), not recorded.
-	maps []dirty.Mapping
+	// hold until its zygote is forked), zygoteMaps its zygote's once forked (a rewind
+	// compares the process with them: Tracks.preload); neither is recorded.
+	maps, zygoteMaps []dirty.Mapping
 }
 
 // Inode names a file of the sandbox's root by path, with the identity it had.
