@@ -39,6 +39,9 @@ type Options struct {
 	// Seed seeds the run's random choices (rollback targets, W2's rewards), so that two
 	// runs, say of two builds, make the same ones; 0 picks one, which the report records.
 	Seed uint64
+	// Timeline, if not nil, gets a line per phase of every checkpoint and rollback
+	// measured: when it began after the operation's start, and how long it took.
+	Timeline io.Writer
 }
 
 // Report is the result of a run. Times are milliseconds, sizes bytes.
@@ -222,6 +225,9 @@ func Run(ctx context.Context, e *engine.Engine, opts Options) (*Report, error) {
 	}
 	if opts.Iterations < 1 {
 		return nil, errdefs.InvalidArgument("iterations %d: give at least 1", opts.Iterations)
+	}
+	if opts.Timeline != nil {
+		ctx = context.WithValue(ctx, timelineKey{}, &timeline{w: opts.Timeline})
 	}
 	if len(opts.Isolation) == 0 {
 		opts.Isolation = []string{"container"}

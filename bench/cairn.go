@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -85,25 +87,57 @@ func growth(root string, f func() error) (float64, error) {
 	return float64(after - before), err
 }
 
-// traced runs op with a phase recorder (internal/phase) and appends the time of each
-// phase it reported to into, if into is not nil.
-func traced(ctx context.Context, into map[string][]float64, op func(context.Context) error) error {
+// traced runs op, named what, with a phase recorder (internal/phase) and appends the
+// time of each phase it reported to into, if into is not nil; and writes the phases to
+// the run's timeline (Options.Timeline), if it has one.
+func traced(ctx context.Context, what string, into map[string][]float64, op func(context.Context) error) error {
 	if into == nil {
 		return op(ctx)
 	}
 	var mu sync.Mutex
 	sums := map[string]float64{}
+	tl, _ := ctx.Value(timelineKey{}).(*timeline)
+	var lines []string
+	start := time.Now()
 	err := op(phase.With(ctx, func(name string, d time.Duration) {
+		end := time.Since(start)
 		mu.Lock()
 		sums[name] += ms(d)
+		if tl != nil {
+			lines = append(lines, fmt.Sprintf("  %7.2f %7.2f  %s", ms(end-d), ms(d), name))
+		}
 		mu.Unlock()
 	}))
+	total := time.Since(start)
 	mu.Lock()
 	defer mu.Unlock()
 	for name, v := range sums {
 		into[name] = append(into[name], v)
 	}
+	if tl != nil {
+		tl.write(fmt.Sprintf("%s: %.2f ms (phase: began after, took, ms)", what, ms(total)), lines)
+	}
 	return err
+}
+
+// timeline is Options.Timeline, carried by the run's context.
+type timeline struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+type timelineKey struct{}
+
+// write writes the head line and the lines of one operation, sorted by when they
+// began.
+func (t *timeline) write(head string, lines []string) {
+	sort.Strings(lines) // fixed-width start times: sorted by start
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	fmt.Fprintln(t.w, head)
+	for _, l := range lines {
+		fmt.Fprintln(t.w, l)
+	}
 }
 
 // checkpoint records the expected state, then takes (and times) a checkpoint.
@@ -118,7 +152,7 @@ func (w *w1) checkpoint(ctx context.Context) (*model.Checkpoint, time.Duration, 
 	}
 	var ck *model.Checkpoint
 	start := time.Now()
-	err = traced(ctx, w.ckPhases, func(ctx context.Context) (err error) {
+	err = traced(ctx, "checkpoint", w.ckPhases, func(ctx context.Context) (err error) {
 		ck, err = w.e.Checkpoint(ctx, w.id, engine.CheckpointOptions{})
 		return err
 	})
@@ -280,7 +314,7 @@ func (b *runner) measureRollbacks(ctx context.Context, n int) error {
 		}
 		target := anc[b.rng.IntN(len(anc))]
 		start := time.Now()
-		if err := traced(ctx, b.rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target) }); err != nil {
+		if err := traced(ctx, "rollback to "+target, b.rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target) }); err != nil {
 			return fmt.Errorf("rollback to %s: %w", target, err)
 		}
 		b.rbMS = append(b.rbMS, ms(time.Since(start)))

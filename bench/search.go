@@ -137,7 +137,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		if i%2 == 1 && i < 98 { // 49 rollbacks
 			target := uct(nodes, i, cur.ck)
 			rb := time.Now()
-			if err := traced(ctx, rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target.ck) }); err != nil {
+			if err := traced(ctx, "rollback to "+target.ck, rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target.ck) }); err != nil {
 				return nil, fmt.Errorf("w2 rollback: %w", err)
 			}
 			rbMS = append(rbMS, ms(time.Since(rb)))

@@ -85,6 +85,10 @@ type Config struct {
 	// never rewind the processes in place (isolation/container/zygote/rewind.go); the
 	// environment's CAIRN_REWIND=0 does too.
 	NoRewinds bool
+	// NoTreePlans makes every revert of a root in place compute its difference with
+	// the kernel's send rather than from the volumes' changed items (a tree plan:
+	// storage/btrfs/treeplan.go); the environment's CAIRN_TREE_PLANS=0 does too.
+	NoTreePlans bool
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)
 }
@@ -181,7 +185,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			return nil, fmt.Errorf("data directory: %w", err)
 		}
 	}
-	pool, err := btrfs.Open(ctx, btrfs.Config{Dir: cfg.PoolDir, Image: cfg.PoolImage, Size: cfg.PoolSize})
+	pool, err := btrfs.Open(ctx, btrfs.Config{Dir: cfg.PoolDir, Image: cfg.PoolImage, Size: cfg.PoolSize,
+		NoTreePlans: cfg.NoTreePlans || os.Getenv("CAIRN_TREE_PLANS") == "0"})
 	if err != nil {
 		return nil, err
 	}

@@ -528,6 +528,9 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 			if planned {
 				s.PlannedReverts++
 			}
+			if st.Diff == "tree" {
+				s.TreeReverts++
+			}
 			s.RevertOps += st.Ops
 			s.RevertSnapshotMS += st.SnapshotMS
 			s.RevertSendMS += st.SendMS

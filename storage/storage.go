@@ -150,4 +150,9 @@ type RevertStats struct {
 	// is computed from (a transaction commit), SendMS computing the difference (which
 	// includes flushing live's dirty data), ApplyMS applying it.
 	SnapshotMS, SendMS, ApplyMS float64
+	// Diff says how the difference was computed: "tree" (read from the two volumes'
+	// metadata, the items changed since the older one was taken) or "send" (the
+	// kernel's comparison of the two trees); DiffNote, for "send", why no tree plan was
+	// possible. Empty when nothing was computed.
+	Diff, DiffNote string
 }

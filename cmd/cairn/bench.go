@@ -14,6 +14,7 @@ func newBenchCmd(a *app) *cobra.Command {
 	var (
 		opts        bench.Options
 		noBaselines bool
+		timeline    bool
 	)
 	cmd := &cobra.Command{
 		Use:   "bench [flags]",
@@ -43,11 +44,15 @@ correctness check failed.`,
   cairn bench --json > w1.json
   cairn bench --workload all --no-baselines
   cairn bench --workload all --no-baselines --standby-restores 2
-  cairn bench --no-baselines --seed 42      # the same rollback targets as any run with seed 42`,
+  cairn bench --no-baselines --seed 42      # the same rollback targets as any run with seed 42
+  cairn bench --no-baselines --timeline 2> phases.txt   # where each checkpoint's and rollback's time went`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			opts.Baselines = !noBaselines
 			opts.Progress = os.Stderr
+			if timeline {
+				opts.Timeline = os.Stderr
+			}
 			a.standbyRestores = opts.StandbyRestores
 			e, err := a.engine(cmd.Context())
 			if err != nil {
@@ -74,6 +79,7 @@ correctness check failed.`,
 	cmd.Flags().IntVar(&opts.StandbyRestores, "standby-restores", 1, "standby restores the engine runs at once in the background (as cairnd's --standby-restores)")
 	cmd.Flags().BoolVar(&opts.WarmMemory, "warm-memory", true, "first write once to the guest's free memory, so that the hypervisor backs it before anything is timed (~1 min when the host has taken the memory back, as after a boot and again within hours; seconds otherwise; see machine.memory_warmup in the report)")
 	cmd.Flags().BoolVar(&noBaselines, "no-baselines", false, "skip the runc_criu, runsc and copytree baselines")
+	cmd.Flags().BoolVar(&timeline, "timeline", false, "print every checkpoint's and rollback's phases to standard error, each with when it began and how long it took")
 	cmd.Flags().Uint64Var(&opts.Seed, "seed", 0, "seed of the run's random choices (rollback targets, W2's rewards), to repeat another run's (its report's seed); 0 picks one")
 	cmd.Flags().StringSliceVar(&opts.Isolation, "isolation", []string{"container", "gvisor"}, "isolation backends to measure, side by side (the top-level figures are container's)")
 	return cmd

@@ -95,6 +95,9 @@ type Config struct {
 	// Size is the apparent size of a newly created image (DefaultSize if 0). It is not
 	// used for an existing image.
 	Size int64
+	// NoTreePlans makes every revert's difference the kernel's send, never a tree plan
+	// (treeplan.go), for comparisons and as a way out.
+	NoTreePlans bool
 }
 
 // Pool is a storage.Pool of btrfs subvolumes. It is safe for concurrent use, and several
@@ -110,6 +113,9 @@ type Pool struct {
 	// found once.
 	dataSpaceMu sync.Mutex
 	dataSpace   string
+
+	// sendOnly makes every difference the kernel's send (Config.NoTreePlans).
+	sendOnly bool
 }
 
 var _ storage.Pool = (*Pool)(nil)
@@ -158,7 +164,7 @@ func Open(ctx context.Context, cfg Config) (*Pool, error) {
 		return nil, fmt.Errorf("btrfs pool: create %s: %w", filepath.Join(dir, lockName), err)
 	}
 	unix.Close(lfd)
-	return &Pool{dir: dir, image: image, rootfd: fd}, nil
+	return &Pool{dir: dir, image: image, rootfd: fd, sendOnly: cfg.NoTreePlans}, nil
 }
 
 // Root returns the pool directory.

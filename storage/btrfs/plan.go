@@ -120,11 +120,13 @@ func (p *Pool) noDataInFlight(rootfd int) (bool, error) {
 	return true, nil
 }
 
-// plan is the btrfs RevertPlan: a no-data send stream from base to snapshot.
+// plan is the btrfs RevertPlan: the commands from base to snapshot, of a tree plan or
+// of a no-data send stream.
 type plan struct {
 	base, snapshot string
 	cmds           []*sendCommand
 	sendMS         float64
+	diff, note     string // RevertStats.Diff and DiffNote
 }
 
 func (pl *plan) Base() string     { return pl.base }
@@ -155,7 +157,7 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		return nil, err
 	}
 	defer vols.close()
-	baseFlags, baseID := vols[0].flags, vols[0].id
+	basefd, baseFlags, baseID := vols[0].fd, vols[0].flags, vols[0].id
 	snapfd, snapFlags, snapID := vols[1].fd, vols[1].flags, vols[1].id
 	switch {
 	case baseFlags&btrfsSubvolRdonly == 0 || snapFlags&btrfsSubvolRdonly == 0:
@@ -164,13 +166,13 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
 	}
 	t := time.Now()
-	cmds, err := p.send(snapfd, baseID, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
+	cmds, how, note, err := p.difference(ctx, basefd, snapfd, baseID, -1, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
 		return p.opError("plan a revert to", snapshot, err)
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t)}, nil
+	return &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t), diff: how, note: note}, nil
 }
 
 // RevertPlanned implements storage.PlannedReverter.
@@ -196,6 +198,9 @@ func (p *Pool) RevertPlanned(ctx context.Context, live string, plans ...storage.
 		}
 		pls[i] = pl
 		st.SendMS += pl.sendMS
+		if st.Diff == "" || pl.diff == "send" {
+			st.Diff, st.DiffNote = pl.diff, pl.note
+		}
 	}
 	if err := ctx.Err(); err != nil {
 		return st, err

@@ -169,10 +169,17 @@ func TestUnchangedCases(t *testing.T) {
 func TestRevertPlanned(t *testing.T) {
 	requireRoot(t)
 	p := openTest(t, testConfig(t, 2<<30))
+	for _, how := range diffWays {
+		t.Run(how, func(t *testing.T) { testRevertPlanned(t, p, how) })
+	}
+}
+
+func testRevertPlanned(t *testing.T, p *Pool, how string) {
 	ctx := context.Background()
+	checkDiff := useDiff(t, p, how)
 	for i, tc := range revertCases {
 		t.Run(tc.name, func(t *testing.T) {
-			live, target, head := fmt.Sprintf("c%d/live", i), fmt.Sprintf("c%d/target", i), fmt.Sprintf("c%d/head", i)
+			live, target, head := fmt.Sprintf("%s%d/live", how, i), fmt.Sprintf("%s%d/target", how, i), fmt.Sprintf("%s%d/head", how, i)
 			must(t, p.Create(ctx, live))
 			base(t, p.Path(live))
 			if tc.setup != nil {
@@ -194,6 +201,7 @@ func TestRevertPlanned(t *testing.T) {
 				t.Fatalf("RevertPlanned: %v", err)
 			}
 			t.Logf("%d operations planned; %+v", pl.Len(), st)
+			checkDiff(t, st)
 			checkReverted(t, p, live, target, before)
 			if tc.check != nil {
 				tc.check(t, st)
@@ -233,9 +241,11 @@ func TestRevertPlannedChain(t *testing.T) {
 	if _, err := p.RevertPlanned(ctx, live, p10, p21); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("RevertPlanned with plans out of order = %v; want invalid argument", err)
 	}
-	if _, err := p.RevertPlanned(ctx, live, p21, p10); err != nil {
+	st, err := p.RevertPlanned(ctx, live, p21, p10)
+	if err != nil {
 		t.Fatalf("RevertPlanned(s2 -> s1 -> s0): %v", err)
 	}
+	checkTreeDiff(t, st.Diff, st.DiffNote, "two plans in a row")
 	checkReverted(t, p, live, s0, before)
 	checkWritable(t, p, live)
 }

@@ -29,6 +29,12 @@ import (
 // instead of copying them. Revert is thus one receive onto the parent itself: the work
 // is proportional to what changed since the snapshot, not to the size of the volume.
 //
+// Where the two volumes' history allows it (both snapshots of one volume, or live made
+// from the snapshot), the same commands are read from their trees instead, without
+// send (a tree plan, treeplan.go): the items changed since the older of the two was
+// taken, compared one by one. Send remains for the rest, and when a tree plan meets
+// what it does not model (RevertStats.Diff and DiffNote say which, and why).
+//
 // The kernel sends only from read-only roots, so Revert takes a temporary read-only
 // snapshot of live (a ".tmp-" name, deleted once the difference is read: ~0.2 ms) and
 // sends with it as the parent; live itself stays writable throughout (the stream is
@@ -64,9 +70,10 @@ import (
 // version 1 stream and are left as live has them; change and birth times cannot be set.
 // Send skips volumes nested in live: they stay as they are. And since the kernel matches
 // by inode, a file that Revert recreated (it was deleted after the snapshot) differs from
-// the snapshot's for good, so every later Revert to that snapshot recreates it again, and
-// sets again the times of every inode whose change time a Revert moved: a cost that grows
-// with what earlier Reverts restored, never a difference in the result.
+// the snapshot's for good, so every later Revert to that snapshot recreates it again; and
+// every inode whose change time a Revert moved differs in its item from every snapshot
+// taken before: send sets its times again, a tree plan reads and compares it. A cost
+// that grows with what earlier Reverts restored, never a difference in the result.
 func (p *Pool) Revert(ctx context.Context, live, snapshot string) (storage.RevertStats, error) {
 	return p.revert(ctx, live, snapshot, revertOptions{})
 }
@@ -117,7 +124,7 @@ func (p *Pool) revert(ctx context.Context, live, snapshot string, opt revertOpti
 		return st, errdefs.InvalidArgument("btrfs pool %s: revert %q to %q: both names are the same volume", p.dir, live, snapshot)
 	}
 
-	cmds, err := p.revertDiff(rootfd, livefd, live, snapfd, &st)
+	cmds, err := p.revertDiff(ctx, rootfd, livefd, live, snapfd, &st)
 	if err != nil {
 		return st, err
 	}
@@ -188,7 +195,7 @@ func (p *Pool) openRevertVolume(rootfd int, name, op string) (fd int, flags, id 
 // again before revertDiff returns. Live itself stays writable throughout: flipping its
 // read-only flag instead would fail whatever writes to it meanwhile (CRIU, dumping a
 // zygote from inside the sandbox, creates and removes a directory in its /tmp).
-func (p *Pool) revertDiff(rootfd, livefd int, live string, snapfd int, st *storage.RevertStats) (cmds []*sendCommand, err error) {
+func (p *Pool) revertDiff(ctx context.Context, rootfd, livefd int, live string, snapfd int, st *storage.RevertStats) (cmds []*sendCommand, err error) {
 	t := time.Now()
 	dirfd, base, err := openParent(rootfd, live, false)
 	if err != nil {
@@ -212,11 +219,55 @@ func (p *Pool) revertDiff(rootfd, livefd int, live string, snapfd int, st *stora
 	st.SnapshotMS = msSince(t)
 
 	t = time.Now()
-	cmds, err = p.send(snapfd, tmpID, fmt.Sprintf("revert %q", live), func(err error) error {
+	cmds, st.Diff, st.DiffNote, err = p.difference(ctx, tmpfd, snapfd, tmpID, livefd, fmt.Sprintf("revert %q", live), func(err error) error {
 		return p.opError("revert: compare with the snapshot", live, err)
 	})
 	st.SendMS = msSince(t)
 	return cmds, err
+}
+
+// difference returns the commands that turn the read-only volume basefd (whose tree is
+// baseID) into the read-only volume snapfd: a tree plan (treeplan.go) where the two
+// volumes' history allows one, and the kernel's send otherwise, with how it was
+// computed ("tree" or "send") and, for send, why no tree plan. livefd, or -1, is the
+// volume basefd is a snapshot of. what and other are send's.
+func (p *Pool) difference(ctx context.Context, basefd, snapfd int, baseID uint64, livefd int, what string, other func(error) error) (cmds []*sendCommand, how, note string, err error) {
+	note = "disabled"
+	if !p.sendOnly {
+		cmds, _, err = p.treeDiff(ctx, basefd, snapfd, livefd)
+		switch {
+		case err == nil:
+			return cmds, "tree", "", nil
+		case ctx.Err() != nil:
+			return nil, "", "", ctx.Err()
+		}
+		note = err.Error()
+	}
+	cmds, err = p.send(snapfd, baseID, what, other)
+	return cmds, "send", note, err
+}
+
+// treeDiff is difference's tree plan, if the volumes' lineage allows one.
+func (p *Pool) treeDiff(ctx context.Context, basefd, snapfd, livefd int) ([]*sendCommand, treePlanStats, error) {
+	bi, err := subvolInfo(basefd)
+	if err != nil {
+		return nil, treePlanStats{}, err
+	}
+	si, err := subvolInfo(snapfd)
+	if err != nil {
+		return nil, treePlanStats{}, err
+	}
+	var li *subvolInfoArgs
+	if livefd >= 0 {
+		if li, err = subvolInfo(livefd); err != nil {
+			return nil, treePlanStats{}, err
+		}
+	}
+	g, baseNewer, ok := treeLineage(bi, si, li)
+	if !ok {
+		return nil, treePlanStats{}, fmt.Errorf("%w: the volumes are not two read-only snapshots of one volume", errNoTreePlan)
+	}
+	return planTree(ctx, basefd, snapfd, g, baseNewer)
 }
 
 // send returns the no-data send stream of the read-only volume snapfd with the volume
@@ -772,7 +823,7 @@ func (a *applier) update(c *sendCommand, p string) error {
 	if err := a.fillEOFBlock(end); err != nil {
 		return err
 	}
-	if a.dst.made || end-start < refineMin {
+	if a.dst.made || c.exact || end-start < refineMin {
 		return a.copyRange(start, end)
 	}
 	diff, err := a.differing(start, end)

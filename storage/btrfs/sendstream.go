@@ -108,6 +108,9 @@ type sendCommand struct {
 	cmd   uint16
 	buf   []byte
 	attrs [sendAttrMaxV1 + 1][]byte
+	// exact marks a data range of a tree plan: already narrowed to what differs, so
+	// the applier does not compare extents again.
+	exact bool
 }
 
 func (c *sendCommand) String() string {
