@@ -99,8 +99,8 @@ func printResident(w io.Writer, indent string, st engineStats) {
 		indent, st.ResidentRollbacks, st.InPlaceRestores, st.DurableCopies, per(st.DurableMS, st.DurableCopies), st.ResidentsEvicted)
 	if st.Reverts > 0 {
 		n := float64(st.Reverts)
-		fmt.Fprintf(w, "%sroots reverted in place: %d (%d planned from the head, %d read from the trees), on average %.0f operations: snapshot of the live root %.1f ms, difference %.1f ms, apply %.1f ms\n",
-			indent, st.Reverts, st.PlannedReverts, st.TreeReverts, float64(st.RevertOps)/n, st.RevertSnapshotMS/n, st.RevertSendMS/n, st.RevertApplyMS/n)
+		fmt.Fprintf(w, "%sroots reverted in place: %d (%d planned from the head, %d read from the trees, %.0f inodes compared each), on average %.0f operations: snapshot of the live root %.1f ms, difference %.1f ms, apply %.1f ms\n",
+			indent, st.Reverts, st.PlannedReverts, st.TreeReverts, per(float64(st.RevertCompared), st.TreeReverts), float64(st.RevertOps)/n, st.RevertSnapshotMS/n, st.RevertSendMS/n, st.RevertApplyMS/n)
 	}
 }
 

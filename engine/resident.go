@@ -530,6 +530,7 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 			}
 			if st.Diff == "tree" {
 				s.TreeReverts++
+				s.RevertCompared += st.Compared
 			}
 			s.RevertOps += st.Ops
 			s.RevertSnapshotMS += st.SnapshotMS

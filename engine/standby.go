@@ -80,7 +80,9 @@ type Stats struct {
 	PlannedReverts int `json:"planned_reverts"`
 	// TreeReverts counts those whose difference was read from the volumes' changed
 	// items (a tree plan), not computed by the kernel's send.
-	TreeReverts      int     `json:"tree_reverts"`
+	TreeReverts int `json:"tree_reverts"`
+	// RevertCompared counts the inodes their tree plans read from both volumes.
+	RevertCompared   int     `json:"revert_compared"`
 	RevertOps        int     `json:"revert_ops"`
 	RevertSnapshotMS float64 `json:"revert_snapshot_ms"`
 	RevertSendMS     float64 `json:"revert_send_ms"`
@@ -98,7 +100,7 @@ func (s Stats) Since(before Stats) Stats {
 		DurableCopies: s.DurableCopies - before.DurableCopies,
 		DurableMS:     s.DurableMS - before.DurableMS, ResidentsEvicted: s.ResidentsEvicted - before.ResidentsEvicted,
 		ResidentsEvictedForMemory: s.ResidentsEvictedForMemory - before.ResidentsEvictedForMemory,
-		Reverts:                   s.Reverts - before.Reverts, PlannedReverts: s.PlannedReverts - before.PlannedReverts, TreeReverts: s.TreeReverts - before.TreeReverts, RevertOps: s.RevertOps - before.RevertOps,
+		Reverts:                   s.Reverts - before.Reverts, PlannedReverts: s.PlannedReverts - before.PlannedReverts, TreeReverts: s.TreeReverts - before.TreeReverts, RevertCompared: s.RevertCompared - before.RevertCompared, RevertOps: s.RevertOps - before.RevertOps,
 		RevertSnapshotMS: s.RevertSnapshotMS - before.RevertSnapshotMS, RevertSendMS: s.RevertSendMS - before.RevertSendMS,
 		RevertApplyMS: s.RevertApplyMS - before.RevertApplyMS}
 }

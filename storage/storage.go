@@ -155,4 +155,6 @@ type RevertStats struct {
 	// kernel's comparison of the two trees); DiffNote, for "send", why no tree plan was
 	// possible. Empty when nothing was computed.
 	Diff, DiffNote string
+	// Compared is the number of inodes a "tree" difference read from both volumes.
+	Compared int
 }

@@ -116,6 +116,8 @@ type Pool struct {
 
 	// sendOnly makes every difference the kernel's send (Config.NoTreePlans).
 	sendOnly bool
+	// lineages is what tree plans remember of the volumes' snapshots (lineage.go).
+	lineages lineages
 }
 
 var _ storage.Pool = (*Pool)(nil)

@@ -127,6 +127,7 @@ type plan struct {
 	cmds           []*sendCommand
 	sendMS         float64
 	diff, note     string // RevertStats.Diff and DiffNote
+	compared       int    // RevertStats.Compared
 }
 
 func (pl *plan) Base() string     { return pl.base }
@@ -166,13 +167,13 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
 	}
 	t := time.Now()
-	cmds, how, note, err := p.difference(ctx, basefd, snapfd, baseID, -1, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
+	cmds, how, note, compared, err := p.difference(ctx, basefd, snapfd, baseID, -1, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
 		return p.opError("plan a revert to", snapshot, err)
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t), diff: how, note: note}, nil
+	return &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t), diff: how, note: note, compared: compared}, nil
 }
 
 // RevertPlanned implements storage.PlannedReverter.
@@ -198,6 +199,7 @@ func (p *Pool) RevertPlanned(ctx context.Context, live string, plans ...storage.
 		}
 		pls[i] = pl
 		st.SendMS += pl.sendMS
+		st.Compared += pl.compared
 		if st.Diff == "" || pl.diff == "send" {
 			st.Diff, st.DiffNote = pl.diff, pl.note
 		}

@@ -219,7 +219,7 @@ func (p *Pool) revertDiff(ctx context.Context, rootfd, livefd int, live string, 
 	st.SnapshotMS = msSince(t)
 
 	t = time.Now()
-	cmds, st.Diff, st.DiffNote, err = p.difference(ctx, tmpfd, snapfd, tmpID, livefd, fmt.Sprintf("revert %q", live), func(err error) error {
+	cmds, st.Diff, st.DiffNote, st.Compared, err = p.difference(ctx, tmpfd, snapfd, tmpID, livefd, fmt.Sprintf("revert %q", live), func(err error) error {
 		return p.opError("revert: compare with the snapshot", live, err)
 	})
 	st.SendMS = msSince(t)
@@ -231,20 +231,21 @@ func (p *Pool) revertDiff(ctx context.Context, rootfd, livefd int, live string, 
 // volumes' history allows one, and the kernel's send otherwise, with how it was
 // computed ("tree" or "send") and, for send, why no tree plan. livefd, or -1, is the
 // volume basefd is a snapshot of. what and other are send's.
-func (p *Pool) difference(ctx context.Context, basefd, snapfd int, baseID uint64, livefd int, what string, other func(error) error) (cmds []*sendCommand, how, note string, err error) {
+func (p *Pool) difference(ctx context.Context, basefd, snapfd int, baseID uint64, livefd int, what string, other func(error) error) (cmds []*sendCommand, how, note string, compared int, err error) {
 	note = "disabled"
 	if !p.sendOnly {
-		cmds, _, err = p.treeDiff(ctx, basefd, snapfd, livefd)
+		var st treePlanStats
+		cmds, st, err = p.treeDiff(ctx, basefd, snapfd, livefd)
 		switch {
 		case err == nil:
-			return cmds, "tree", "", nil
+			return cmds, "tree", "", st.Compared, nil
 		case ctx.Err() != nil:
-			return nil, "", "", ctx.Err()
+			return nil, "", "", 0, ctx.Err()
 		}
 		note = err.Error()
 	}
 	cmds, err = p.send(snapfd, baseID, what, other)
-	return cmds, "send", note, err
+	return cmds, "send", note, 0, err
 }
 
 // treeDiff is difference's tree plan, if the volumes' lineage allows one.
@@ -267,7 +268,11 @@ func (p *Pool) treeDiff(ctx context.Context, basefd, snapfd, livefd int) ([]*sen
 	if !ok {
 		return nil, treePlanStats{}, fmt.Errorf("%w: the volumes are not two read-only snapshots of one volume", errNoTreePlan)
 	}
-	return planTree(ctx, basefd, snapfd, g, baseNewer)
+	newer := bi
+	if !baseNewer {
+		newer = si
+	}
+	return planTree(ctx, basefd, snapfd, g, baseNewer, p.lineages.get(newer.parentUUID), newer.otransid)
 }
 
 // send returns the no-data send stream of the read-only volume snapfd with the volume

@@ -398,3 +398,71 @@ func BenchmarkRevertHistory(b *testing.B) {
 		})
 	}
 }
+
+// TestLineageCandidates checks the candidates a lineage keeps across plans (lineage.go)
+// against a full search each time: the same inodes with the same transactions, but
+// for deleted ones, which the newer snapshot must then not have.
+func TestLineageCandidates(t *testing.T) {
+	p := newPool(t)
+	ctx := context.Background()
+	rng := rand.New(rand.NewPCG(9, 9))
+	must(t, p.Create(ctx, "l/live"))
+	l := p.Path("l/live")
+	base(t, l)
+	var snaps []string
+	var lin lineage
+	open := func(name string) (int, *subvolInfoArgs) {
+		fd, err := unix.Open(p.Path(name), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		must(t, err)
+		t.Cleanup(func() { unix.Close(fd) })
+		info, err := subvolInfo(fd)
+		must(t, err)
+		return fd, info
+	}
+	incremental := 0
+	for step := range 40 {
+		for range 1 + rng.IntN(4) {
+			mutateRandom(t, rng, l)
+		}
+		s := fmt.Sprintf("l/s%d", step)
+		must(t, p.Snapshot(ctx, "l/live", s, true))
+		snaps = append(snaps, s)
+		if step%5 == 4 && rng.IntN(2) == 0 {
+			// Sometimes a revert, whose changes the next search must find too.
+			_, err := p.Revert(ctx, "l/live", snaps[rng.IntN(len(snaps))])
+			must(t, err)
+		}
+		newerFd, newer := open(s)
+		_, older := open(snaps[rng.IntN(len(snaps))])
+		g := older.otransid
+		if lin.changed != nil && lin.from <= g {
+			incremental++
+		}
+		got, err := lin.candidates(newSearcher(newerFd), g, newer.otransid)
+		must(t, err)
+		var fresh lineage
+		want, err := fresh.candidates(newSearcher(newerFd), g, newer.otransid)
+		must(t, err)
+		ns := newSearcher(newerFd)
+		for x, tr := range want {
+			if got[x] != tr {
+				t.Errorf("step %d: inode %d: kept transaction %d, a full search finds %d", step, x, got[x], tr)
+			}
+		}
+		for x := range got {
+			if _, ok := want[x]; ok {
+				continue
+			}
+			st, err := ns.loadInode(x)
+			must(t, err)
+			if st != nil {
+				t.Errorf("step %d: inode %d is kept as changed after %d, but the snapshot has it unchanged since", step, x, g)
+			}
+			lin.gone(x)
+		}
+	}
+	if incremental == 0 {
+		t.Fatal("no search was incremental: the test tested nothing of what is kept")
+	}
+	t.Logf("%d of 40 searches incremental", incremental)
+}
