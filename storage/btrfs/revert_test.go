@@ -916,16 +916,23 @@ func TestSendStreamChecksum(t *testing.T) {
 // the two read-only flips (a transaction commit each), ~2.6-3.1 ms the send (with the
 // kernel's flush of the step's dirty data and its commit), ~0.6 ms the apply of 18
 // operations; 41680 bytes cloned (the 10 pages and the small files), none copied.
+// w1Tree makes the volume name with W1's files as the revert benchmarks see them: a
+// repository of 1,000 small files and a database file of dbBytes; it returns its path.
+func w1Tree(tb testing.TB, p *Pool, name string, dbBytes int) string {
+	must(tb, p.Create(context.Background(), name))
+	l := p.Path(name)
+	for i := range 1000 {
+		writeFile(tb, fmt.Sprintf("%s/src/pkg%02d/file%04d.py", l, i%50, i), strings.Repeat(fmt.Sprintf("line %d\n", i), 20))
+	}
+	must(tb, os.WriteFile(l+"/state.db", fill(dbBytes, 's'), 0o644))
+	return l
+}
+
 func BenchmarkRevert(b *testing.B) {
 	requireRoot(b)
 	p := openTest(b, testConfig(b, 4<<30))
 	ctx := context.Background()
-	must(b, p.Create(ctx, "w1/live"))
-	l := p.Path("w1/live")
-	for i := range 1000 {
-		writeFile(b, fmt.Sprintf("%s/src/pkg%02d/file%04d.py", l, i%50, i), strings.Repeat(fmt.Sprintf("line %d\n", i), 20))
-	}
-	must(b, os.WriteFile(l+"/state.db", fill(600<<10, 's'), 0o644))
+	l := w1Tree(b, p, "w1/live", 600<<10)
 	must(b, p.Snapshot(ctx, "w1/live", "w1/snap", true))
 	small := func(i int) string { return fmt.Sprintf("%s/src/pkg%02d/file%04d.py", l, i%50, i) }
 	var sum storage.RevertStats

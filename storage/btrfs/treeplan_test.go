@@ -355,12 +355,7 @@ func BenchmarkRevertHistory(b *testing.B) {
 			p := openTest(b, testConfig(b, 4<<30))
 			useDiff(b, p, how)
 			ctx := context.Background()
-			must(b, p.Create(ctx, "w1/live"))
-			l := p.Path("w1/live")
-			for i := range 1000 {
-				writeFile(b, fmt.Sprintf("%s/src/pkg%02d/file%04d.py", l, i%50, i), strings.Repeat(fmt.Sprintf("line %d\n", i), 20))
-			}
-			must(b, os.WriteFile(l+"/state.db", fill(2<<20, 's'), 0o644))
+			l := w1Tree(b, p, "w1/live", 2<<20)
 			rng := rand.New(rand.NewPCG(7, 7))
 			var snaps []string
 			var reverts int
