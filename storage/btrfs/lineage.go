@@ -29,7 +29,7 @@ import (
 
 const (
 	maxLineages       = 64
-	maxLineageChanged = 1 << 17
+	maxLineageChanged = 1 << 15 // ~40 B each: ~1.3 MB a volume at most
 )
 
 // lineage is what is remembered of one volume. Its methods are called with mu held.
