@@ -698,6 +698,11 @@ func (e *Engine) recoverResidents(ctx context.Context) {
 			e.durableLater(ck.ID)
 			continue
 		}
+		// Another engine of the data directory may have made it durable since the list
+		// was read (and then ended or moved its zygotes): read its row again.
+		if cur, err := e.db.Checkpoint(ctx, ck.ID); err != nil || cur.Method != methodZygote {
+			continue
+		}
 		e.cfg.Logf("checkpoint %s was resident only and its zygotes are gone (the machine restarted?); deleting it", ck.ID)
 		e.deleteLost(ctx, ck.ID)
 	}
