@@ -126,8 +126,7 @@ type plan struct {
 	base, snapshot string
 	cmds           []*sendCommand
 	sendMS         float64
-	diff, note     string // RevertStats.Diff and DiffNote
-	compared       int    // RevertStats.Compared
+	how            storage.RevertStats // Diff, DiffNote and Compared
 }
 
 func (pl *plan) Base() string     { return pl.base }
@@ -167,13 +166,15 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
 	}
 	t := time.Now()
-	cmds, how, note, compared, err := p.difference(ctx, basefd, snapfd, baseID, -1, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
+	pl := &plan{base: base, snapshot: snapshot}
+	pl.cmds, err = p.difference(ctx, basefd, snapfd, baseID, -1, &pl.how, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
 		return p.opError("plan a revert to", snapshot, err)
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &plan{base: base, snapshot: snapshot, cmds: cmds, sendMS: msSince(t), diff: how, note: note, compared: compared}, nil
+	pl.sendMS = msSince(t)
+	return pl, nil
 }
 
 // RevertPlanned implements storage.PlannedReverter.
@@ -199,9 +200,9 @@ func (p *Pool) RevertPlanned(ctx context.Context, live string, plans ...storage.
 		}
 		pls[i] = pl
 		st.SendMS += pl.sendMS
-		st.Compared += pl.compared
-		if st.Diff == "" || pl.diff == "send" {
-			st.Diff, st.DiffNote = pl.diff, pl.note
+		st.Compared += pl.how.Compared
+		if st.Diff == "" || pl.how.Diff == "send" {
+			st.Diff, st.DiffNote = pl.how.Diff, pl.how.DiffNote
 		}
 	}
 	if err := ctx.Err(); err != nil {

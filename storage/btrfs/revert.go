@@ -219,7 +219,7 @@ func (p *Pool) revertDiff(ctx context.Context, rootfd, livefd int, live string, 
 	st.SnapshotMS = msSince(t)
 
 	t = time.Now()
-	cmds, st.Diff, st.DiffNote, st.Compared, err = p.difference(ctx, tmpfd, snapfd, tmpID, livefd, fmt.Sprintf("revert %q", live), func(err error) error {
+	cmds, err = p.difference(ctx, tmpfd, snapfd, tmpID, livefd, st, fmt.Sprintf("revert %q", live), func(err error) error {
 		return p.opError("revert: compare with the snapshot", live, err)
 	})
 	st.SendMS = msSince(t)
@@ -228,49 +228,46 @@ func (p *Pool) revertDiff(ctx context.Context, rootfd, livefd int, live string, 
 
 // difference returns the commands that turn the read-only volume basefd (whose tree is
 // baseID) into the read-only volume snapfd: a tree plan (treeplan.go) where the two
-// volumes' history allows one, and the kernel's send otherwise, with how it was
-// computed ("tree" or "send") and, for send, why no tree plan. livefd, or -1, is the
-// volume basefd is a snapshot of. what and other are send's.
-func (p *Pool) difference(ctx context.Context, basefd, snapfd int, baseID uint64, livefd int, what string, other func(error) error) (cmds []*sendCommand, how, note string, compared int, err error) {
-	note = "disabled"
+// volumes' history allows one, and the kernel's send otherwise. It records in st how
+// (Diff, DiffNote, Compared). livefd, or -1, is the volume basefd is a snapshot of. what
+// and other are send's.
+func (p *Pool) difference(ctx context.Context, basefd, snapfd int, baseID uint64, livefd int, st *storage.RevertStats, what string, other func(error) error) ([]*sendCommand, error) {
+	st.DiffNote = "disabled"
 	if !p.sendOnly {
-		var st treePlanStats
-		cmds, st, err = p.treeDiff(ctx, basefd, snapfd, livefd)
+		cmds, compared, err := p.treeDiff(ctx, basefd, snapfd, livefd)
 		switch {
 		case err == nil:
-			return cmds, "tree", "", st.Compared, nil
+			st.Diff, st.DiffNote, st.Compared = "tree", "", compared
+			return cmds, nil
 		case ctx.Err() != nil:
-			return nil, "", "", 0, ctx.Err()
+			return nil, ctx.Err()
 		}
-		note = err.Error()
+		st.DiffNote = err.Error()
 	}
-	cmds, err = p.send(snapfd, baseID, what, other)
-	return cmds, "send", note, 0, err
+	st.Diff = "send"
+	return p.send(snapfd, baseID, what, other)
 }
 
-// treeDiff is difference's tree plan, if the volumes' lineage allows one.
-func (p *Pool) treeDiff(ctx context.Context, basefd, snapfd, livefd int) ([]*sendCommand, treePlanStats, error) {
-	bi, err := subvolInfo(basefd)
-	if err != nil {
-		return nil, treePlanStats{}, err
-	}
-	si, err := subvolInfo(snapfd)
-	if err != nil {
-		return nil, treePlanStats{}, err
-	}
-	var li *subvolInfoArgs
-	if livefd >= 0 {
-		if li, err = subvolInfo(livefd); err != nil {
-			return nil, treePlanStats{}, err
+// treeDiff is difference's tree plan, if the volumes' lineage allows one; it returns
+// the commands and how many inodes it compared.
+func (p *Pool) treeDiff(ctx context.Context, basefd, snapfd, livefd int) ([]*sendCommand, int, error) {
+	var infos [3]*subvolInfoArgs
+	for i, fd := range []int{basefd, snapfd, livefd} {
+		if fd < 0 {
+			continue
+		}
+		var err error
+		if infos[i], err = subvolInfo(fd); err != nil {
+			return nil, 0, err
 		}
 	}
-	g, baseNewer, ok := treeLineage(bi, si, li)
+	g, baseNewer, ok := treeLineage(infos[0], infos[1], infos[2])
 	if !ok {
-		return nil, treePlanStats{}, fmt.Errorf("%w: the volumes are not two read-only snapshots of one volume", errNoTreePlan)
+		return nil, 0, fmt.Errorf("%w: the volumes are not two read-only snapshots of one volume", errNoTreePlan)
 	}
-	newer := bi
+	newer := infos[0]
 	if !baseNewer {
-		newer = si
+		newer = infos[1]
 	}
 	return planTree(ctx, basefd, snapfd, g, baseNewer, p.lineages.get(newer.parentUUID), newer.otransid)
 }

@@ -1,10 +1,12 @@
 package btrfs
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -144,41 +146,27 @@ func (ts *treeSide) loc(dir uint64) (inodeRef, error) {
 	if r, ok := ts.locs[dir]; ok {
 		return r, nil
 	}
-	var refs []inodeRef
-	if st, ok := ts.states[dir]; ok && st != nil {
-		refs = st.refs
-	} else {
+	st := ts.states[dir]
+	if st == nil { // not read whole: its names only
+		st = &inodeState{ino: dir}
 		err := ts.s.search(searchKey{dir, keyInodeRef, 0}, searchKey{dir, keyInodeRef, ^uint64(0)}, 0, func(k searchKey, d []byte) error {
-			if k.objectid == dir && k.typ == keyInodeRef && len(d) >= 10 && len(d) >= 10+int(binary.LittleEndian.Uint16(d[8:])) {
-				refs = append(refs, inodeRef{k.offset, string(d[10 : 10+int(binary.LittleEndian.Uint16(d[8:]))])})
-			}
-			return nil
+			return st.addItem(k, d)
 		})
 		if err != nil {
 			return inodeRef{}, err
 		}
 	}
-	if len(refs) != 1 {
-		return inodeRef{}, fmt.Errorf("%w: directory %d has %d names", errNoTreePlan, dir, len(refs))
+	if len(st.refs) != 1 {
+		return inodeRef{}, fmt.Errorf("%w: directory %d has %d names", errNoTreePlan, dir, len(st.refs))
 	}
-	ts.locs[dir] = refs[0]
-	return refs[0], nil
+	ts.locs[dir] = st.refs[0]
+	return st.refs[0], nil
 }
 
 // depth returns how many directories lie between dir and the root.
 func (ts *treeSide) depth(dir uint64) (int, error) {
-	n := 0
-	for d := dir; d != rootIno; n++ {
-		if n > 4096 {
-			return 0, fmt.Errorf("%w: directory %d: no way to the root", errNoTreePlan, dir)
-		}
-		r, err := ts.loc(d)
-		if err != nil {
-			return 0, err
-		}
-		d = r.parent
-	}
-	return n, nil
+	names, err := walkUp(dir, ts.loc)
+	return len(names), err
 }
 
 // path returns dir's path relative to the tree's root.
@@ -186,21 +174,27 @@ func (ts *treeSide) path(dir uint64) (string, error) {
 	return walkPath(dir, ts.loc)
 }
 
-func walkPath(dir uint64, loc func(uint64) (inodeRef, error)) (string, error) {
+// walkUp returns the names from dir up to the root, by loc.
+func walkUp(dir uint64, loc func(uint64) (inodeRef, error)) ([]string, error) {
 	var names []string
 	for d := dir; d != rootIno; {
 		if len(names) > 4096 {
-			return "", fmt.Errorf("%w: directory %d: no way to the root", errNoTreePlan, dir)
+			return nil, fmt.Errorf("%w: directory %d: no way to the root", errNoTreePlan, dir)
 		}
 		r, err := loc(d)
 		if err != nil {
-			return "", err
+			return nil, err
 		}
 		names = append(names, r.name)
 		d = r.parent
 	}
+	return names, nil
+}
+
+func walkPath(dir uint64, loc func(uint64) (inodeRef, error)) (string, error) {
+	names, err := walkUp(dir, loc)
 	slices.Reverse(names)
-	return strings.Join(names, "/"), nil
+	return strings.Join(names, "/"), err
 }
 
 func join(dir, name string) string {
@@ -221,13 +215,6 @@ type entryChange struct {
 	depth int
 }
 
-// treePlanStats says what a tree plan read.
-type treePlanStats struct {
-	Candidates int // inodes the newer side changed since g
-	Compared   int // inodes read from both sides
-	Searches   int // tree searches
-}
-
 // treePlan is the state of planTree.
 type treePlan struct {
 	ctx   context.Context
@@ -246,12 +233,11 @@ type treePlan struct {
 }
 
 // planTree returns the commands that turn the read-only volume basefd into snapfd,
-// given g and which side is newer (treeLineage). The first command is a SNAPSHOT
-// header, as in a send stream.
-//
-// lin, if not nil, is the memory of the volume both are snapshots of (lineage.go), and
-// o the transaction the newer of the two was taken in.
-func planTree(ctx context.Context, basefd, snapfd int, g uint64, baseNewer bool, lin *lineage, o uint64) ([]*sendCommand, treePlanStats, error) {
+// given g and which side is newer (treeLineage), and how many inodes it read from both.
+// The first command is a SNAPSHOT header, as in a send stream. lin is the memory of the
+// volume both are snapshots of (lineage.go), and o the transaction the newer of the two
+// was taken in.
+func planTree(ctx context.Context, basefd, snapfd int, g uint64, baseNewer bool, lin *lineage, o uint64) ([]*sendCommand, int, error) {
 	p := &treePlan{
 		ctx: ctx, h: newTreeSide(basefd), t: newTreeSide(snapfd),
 		pairs: map[uint64]*inodePair{}, moved: map[uint64]inodeRef{}, anchor: map[uint64]inodeRef{},
@@ -260,64 +246,40 @@ func planTree(ctx context.Context, basefd, snapfd int, g uint64, baseNewer bool,
 	}
 	defer p.h.s.close()
 	defer p.t.s.close()
-	var st treePlanStats
 	var fs unix.Statfs_t
 	if err := unix.Fstatfs(snapfd, &fs); err != nil {
-		return nil, st, err
+		return nil, 0, err
 	}
 	p.block = uint64(max(fs.Bsize, 512))
-	if lin != nil {
-		lin.mu.Lock()
-		defer lin.mu.Unlock()
+	lin.mu.Lock()
+	defer lin.mu.Unlock()
+	if err := p.plan(g, baseNewer, lin, o); err != nil {
+		return nil, 0, err
 	}
-	err := p.plan(g, baseNewer, lin, o, &st)
-	st.Searches = p.h.s.calls + p.t.s.calls
-	if err != nil {
-		return nil, st, err
-	}
-	return p.cmds, st, nil
+	return p.cmds, len(p.inos), nil
 }
 
-func (p *treePlan) plan(g uint64, baseNewer bool, lin *lineage, o uint64, st *treePlanStats) error {
+func (p *treePlan) plan(g uint64, baseNewer bool, lin *lineage, o uint64) error {
 	newer := p.h
 	if !baseNewer {
 		newer = p.t
 	}
-	var work []uint64
 	t0 := time.Now()
-	if lin != nil {
-		cands, err := lin.candidates(newer.s, g, o)
-		if err != nil {
-			return err
-		}
-		for x := range cands {
-			work = append(work, x)
-		}
-	} else {
-		err := newer.s.search(keyFirst, keyLast, g+1, func(k searchKey, d []byte) error {
-			if k.typ == keyInodeItem && len(d) >= 16 && binary.LittleEndian.Uint64(d[8:]) > g {
-				work = append(work, k.objectid)
-			}
-			return nil
-		})
-		if err != nil {
-			return err
-		}
+	cands, err := lin.candidates(newer.s, g, o)
+	if err != nil {
+		return err
 	}
-	st.Candidates = len(work)
+	work := slices.Collect(maps.Keys(cands))
 	phase.Since(p.ctx, "revert_plan_candidates", t0)
 	t0 = time.Now()
 	if err := p.compare(work); err != nil {
 		return err
 	}
-	st.Compared = len(p.inos)
 	phase.Since(p.ctx, "revert_plan_compare", t0)
 	defer phase.Since(p.ctx, "revert_plan_ops", time.Now())
-	if lin != nil {
-		for _, x := range work {
-			if newer.states[x] == nil && lin.to == o {
-				lin.gone(x)
-			}
+	for _, x := range work {
+		if newer.states[x] == nil && lin.to == o {
+			lin.gone(x)
 		}
 	}
 	gone, placed, err := p.entryChanges()
@@ -412,18 +374,17 @@ func (p *treePlan) entryChanges() (gone, placed []entryChange, err error) {
 			if side == 1 {
 				ts = p.t
 			}
-			var d int
+			d := -1 // computed at the first entry that differs
 			for name, e := range a.entries {
 				if b != nil {
 					if f, ok := b.entries[name]; ok && f == e {
 						continue
 					}
 				}
-				if d == 0 {
+				if d < 0 {
 					if d, err = ts.depth(x); err != nil {
 						return nil, nil, err
 					}
-					d++ // 0 means not computed yet
 				}
 				c := entryChange{dir: x, name: name, ino: e.ino, depth: d}
 				if side == 0 {
@@ -462,8 +423,8 @@ func (p *treePlan) entryChanges() (gone, placed []entryChange, err error) {
 			}
 		}
 	}
-	cmp := func(a, b entryChange) int {
-		if c := cmpU64(a.dir, b.dir); c != 0 {
+	byName := func(a, b entryChange) int {
+		if c := cmp.Compare(a.dir, b.dir); c != 0 {
 			return c
 		}
 		return strings.Compare(a.name, b.name)
@@ -472,13 +433,13 @@ func (p *treePlan) entryChanges() (gone, placed []entryChange, err error) {
 		if a.depth != b.depth {
 			return b.depth - a.depth
 		}
-		return cmp(a, b)
+		return byName(a, b)
 	})
 	slices.SortFunc(placed, func(a, b entryChange) int {
 		if a.depth != b.depth {
 			return a.depth - b.depth
 		}
-		return cmp(a, b)
+		return byName(a, b)
 	})
 	return gone, placed, nil
 }
@@ -741,13 +702,13 @@ func (p *treePlan) update() error {
 			p.emit(sendCmdChmod, aStr(sendAttrPath, path), aU64(sendAttrMode, uint64(t.item.mode&0o7777)))
 		}
 		if h != nil {
-			for _, name := range sortedKeys(h.xattrs) {
+			for _, name := range slices.Sorted(maps.Keys(h.xattrs)) {
 				if _, ok := t.xattrs[name]; !ok {
 					p.emit(sendCmdRemoveXattr, aStr(sendAttrPath, path), aStr(sendAttrXattrName, name))
 				}
 			}
 		}
-		for _, name := range sortedKeys(t.xattrs) {
+		for _, name := range slices.Sorted(maps.Keys(t.xattrs)) {
 			v := t.xattrs[name]
 			if h != nil && !(chown && strings.HasPrefix(name, "security.")) {
 				if w, ok := h.xattrs[name]; ok && w == v {
@@ -781,7 +742,7 @@ func blockRanges(rs [][2]uint64, block, size uint64) [][2]uint64 {
 			out = append(out, r)
 		}
 	}
-	slices.SortFunc(out, func(a, b [2]uint64) int { return cmpU64(a[0], b[0]) })
+	slices.SortFunc(out, func(a, b [2]uint64) int { return cmp.Compare(a[0], b[0]) })
 	n := 0
 	for _, r := range out {
 		if n > 0 && out[n-1][1]+mergeGap >= r[0] {
@@ -795,25 +756,6 @@ func blockRanges(rs [][2]uint64, block, size uint64) [][2]uint64 {
 }
 
 const mergeGap = 64 << 10
-
-func cmpU64(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
-
-func sortedKeys(m map[string]string) []string {
-	ks := make([]string, 0, len(m))
-	for k := range m {
-		ks = append(ks, k)
-	}
-	slices.Sort(ks)
-	return ks
-}
 
 // dataDiff returns the ranges of [0, t's size) where h's data is not t's, as their
 // extent items say: the same extent at the same offset, or a hole on both sides, is the

@@ -71,16 +71,7 @@ func playHistory(t *testing.T, p *Pool, seed uint64, steps int) {
 			w := fmt.Sprintf("%s/w%d", prefix, step)
 			must(t, p.Snapshot(ctx, older, w, false))
 			before := inodes(t, p.Path(w))
-			pl, err := p.PlanRevert(ctx, older, newer)
-			if err != nil {
-				t.Fatalf("step %d: PlanRevert(%s, %s): %v", step, older, newer, err)
-			}
-			st, err := p.RevertPlanned(ctx, w, pl)
-			if err != nil {
-				t.Fatalf("step %d: RevertPlanned(%s -> %s): %v", step, older, newer, err)
-			}
-			desc := fmt.Sprintf("planned forward %s -> %s: %+v", older, newer, st)
-			checkTreeDiff(t, st.Diff, st.DiffNote, desc)
+			desc := planAndApply(t, p, step, w, older, newer, "planned forward")
 			checkRevertedAfter(t, p, w, newer, before, desc)
 			must(t, p.Delete(ctx, w))
 			forward++
@@ -93,16 +84,7 @@ func playHistory(t *testing.T, p *Pool, seed uint64, steps int) {
 		before := inodes(t, l)
 		var desc string
 		if head != "" && head != target && rng.IntN(2) == 0 {
-			pl, err := p.PlanRevert(ctx, head, target)
-			if err != nil {
-				t.Fatalf("step %d: PlanRevert(%s, %s): %v", step, head, target, err)
-			}
-			st, err := p.RevertPlanned(ctx, live, pl)
-			if err != nil {
-				t.Fatalf("step %d: RevertPlanned(%s -> %s): %v", step, head, target, err)
-			}
-			desc = fmt.Sprintf("planned %s -> %s: %+v", head, target, st)
-			checkTreeDiff(t, st.Diff, st.DiffNote, desc)
+			desc = planAndApply(t, p, step, live, head, target, "planned")
 			planned++
 		} else {
 			st, err := p.Revert(ctx, live, target)
@@ -120,6 +102,24 @@ func playHistory(t *testing.T, p *Pool, seed uint64, steps int) {
 		head = ""
 	}
 	t.Logf("%d snapshots, %d reverts of the volume (%d of them planned from a snapshot of it), %d plans from an older snapshot to a newer", len(snaps), reverts, planned, forward)
+}
+
+// planAndApply plans the revert from base to target and applies it to vol, checks
+// that it was a tree plan, and returns its description (what, and its stats).
+func planAndApply(t *testing.T, p *Pool, step int, vol, base, target, what string) string {
+	t.Helper()
+	ctx := context.Background()
+	pl, err := p.PlanRevert(ctx, base, target)
+	if err != nil {
+		t.Fatalf("step %d: PlanRevert(%s, %s): %v", step, base, target, err)
+	}
+	st, err := p.RevertPlanned(ctx, vol, pl)
+	if err != nil {
+		t.Fatalf("step %d: RevertPlanned(%s -> %s): %v", step, base, target, err)
+	}
+	desc := fmt.Sprintf("%s %s -> %s: %+v", what, base, target, st)
+	checkTreeDiff(t, st.Diff, st.DiffNote, desc)
+	return desc
 }
 
 func checkTreeDiff(tb testing.TB, how, note, desc string) {

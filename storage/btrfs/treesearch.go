@@ -89,7 +89,6 @@ type searcher struct {
 	fd     int
 	treeID uint64
 	buf    []byte
-	calls  int // ioctls made, for the plan's figures
 }
 
 func newSearcher(fd int) *searcher {
@@ -126,7 +125,6 @@ func (s *searcher) search(lo, hi searchKey, minTransid uint64, fn func(k searchK
 		ne.PutUint32(buf[60:], hi.typ)
 		ne.PutUint32(buf[64:], ^uint32(0)) // nr_items: as many as fit
 		ne.PutUint64(buf[searchKeyLen:], searchBufLen)
-		s.calls++
 		if err := ioctl(s.fd, iocTreeSearchV2, unsafe.Pointer(&buf[0])); err != nil {
 			return fmt.Errorf("BTRFS_IOC_TREE_SEARCH_V2: %w", err)
 		}
