@@ -107,6 +107,11 @@ type Engine struct {
 	db       *store.Store
 	backends map[string]isolation.Backend
 
+	// presence holds the data directory's shared engine lock; alone says that no other
+	// engine was alive on it when this one opened (joinDataDir).
+	presence *os.File
+	alone    bool
+
 	// bgWG counts background work (standby preparation, cleanup); Close waits for it.
 	bgWG sync.WaitGroup
 	// closing is closed when Close begins: background work that waits on something
@@ -222,11 +227,36 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	} else {
 		e.backends["gvisor"] = unavailable{name: "gvisor", err: err}
 	}
+	if e.presence, e.alone, err = joinDataDir(cfg.DataDir); err != nil {
+		db.Close()
+		return nil, err
+	}
 	if err := e.recover(ctx); err != nil {
+		e.presence.Close()
 		db.Close()
 		return nil, fmt.Errorf("recovery: %w", err)
 	}
 	return e, nil
+}
+
+// joinDataDir announces an engine on dataDir: every open engine holds a shared lock on
+// locks/engines, and the one that could take it alone first (no other engine alive on
+// the directory: cairn restarted) says so. Resident checkpoints are another live
+// engine's work (its zygotes, its durable copies): only an engine alone recovers them
+// (recoverResidents).
+func joinDataDir(dataDir string) (*os.File, bool, error) {
+	f, err := os.OpenFile(filepath.Join(dataDir, "locks", "engines"), os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, false, fmt.Errorf("data directory: %w", err)
+	}
+	alone := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil
+	// Shared from now on (from exclusive, a conversion): engines that start later see
+	// this one.
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_SH); err != nil {
+		f.Close()
+		return nil, false, fmt.Errorf("data directory: lock %s: %w", f.Name(), err)
+	}
+	return f, alone, nil
 }
 
 // Close waits for background work and releases the engine. Sandboxes keep running.
@@ -241,6 +271,7 @@ func (e *Engine) Close() error {
 	if e.imgPool != nil {
 		e.imgPool.Close()
 	}
+	e.presence.Close()
 	return e.db.Close()
 }
 

@@ -656,9 +656,12 @@ func clearRollback(dataDir, id string) { os.Remove(rollbackMark(dataDir, id)) }
 
 // recoverResidents, at engine start: sandboxes whose rollback in place died halfway are
 // rolled back again (the mark names the checkpoint), roots left read-only by a revert
-// that died are made writable, resident checkpoints still waiting for their durable
-// copy are queued again (their zygotes survive a crash of cairn, frozen), and those
-// whose zygotes are gone without a copy (a machine crash) are deleted.
+// that died are made writable, and, if no other engine is alive on the data directory
+// (e.alone), resident checkpoints still waiting for their durable copy are queued again
+// (their zygotes survive a crash of cairn, frozen), and those whose zygotes are gone
+// without a copy (a machine crash) are deleted. A live engine's resident checkpoints
+// are its own: a second engine's durable copy of the same zygotes would race with its
+// copies and rollbacks (both seize the zygotes; one fails, and the checkpoint is lost).
 func (e *Engine) recoverResidents(ctx context.Context) {
 	sbs, err := e.db.Sandboxes(ctx)
 	if err != nil {
@@ -683,6 +686,9 @@ func (e *Engine) recoverResidents(ctx context.Context) {
 			}
 		}
 	}
+	if !e.alone {
+		return
+	}
 	cks, err := e.db.Checkpoints(ctx)
 	if err != nil {
 		return
@@ -696,11 +702,6 @@ func (e *Engine) recoverResidents(ctx context.Context) {
 		r, ok := b.(isolation.Resident)
 		if err == nil && berr == nil && ok && sb.State == model.StateRunning && r.IsResident(e.isb(sb), e.imagesPath(ck.Images)) {
 			e.durableLater(ck.ID)
-			continue
-		}
-		// Another engine of the data directory may have made it durable since the list
-		// was read (and then ended or moved its zygotes): read its row again.
-		if cur, err := e.db.Checkpoint(ctx, ck.ID); err != nil || cur.Method != methodZygote {
 			continue
 		}
 		e.cfg.Logf("checkpoint %s was resident only and its zygotes are gone (the machine restarted?); deleting it", ck.ID)
