@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/errdefs"
 )
 
@@ -37,6 +38,27 @@ func testPipeBuffer(t *testing.T, h Harness) {
 	want(t, "drain after checkpoint", ask(t, h, id, p, `print(os.read(r, 100))`), "b'unread'")
 	rollback(t, h, id, ck)
 	want(t, "pipe after rollback", ask(t, h, id, p, `print(os.read(r, 100))`), "b'unread'")
+
+	// The same pipe, both ends in one process, made durable: its images hold the pipe
+	// once, with its data, and a rollback from them gives it back.
+	ask(t, h, id, p, `os.write(w, b"imaged")`)
+	durable, err := h.Engine.Checkpoint(context.Background(), id, engine.CheckpointOptions{Label: "pipe-durable", Durable: true})
+	if err != nil {
+		t.Fatalf("durable checkpoint of a pipe with unread data: %v", err)
+	}
+	h.settle()
+	want(t, "drain after durable checkpoint", ask(t, h, id, p, `print(os.read(r, 100))`), "b'imaged'")
+	if h.Resident {
+		// A CRIU dump of the sandbox ends the zygotes: the rollback must use the images.
+		ask(t, h, id, p, "import socket; ls = socket.socket(); ls.bind(('127.0.0.1', 0)); ls.listen()")
+		wantDumped(t, h, checkpoint(t, h, id, "listening"), "socket")
+		ask(t, h, id, p, "ls.close()")
+		if methodOf(t, h, durable.ID).Resident {
+			t.Fatalf("checkpoint %s is still resident after a CRIU dump of its sandbox", durable.ID)
+		}
+	}
+	rollback(t, h, id, durable.ID)
+	want(t, "pipe after rollback from images", ask(t, h, id, p, `print(os.read(r, 100))`), "b'imaged'")
 }
 
 func testLateChild(t *testing.T, h Harness) {

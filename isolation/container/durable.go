@@ -128,6 +128,7 @@ func holdCRIU(cgroup string) (func(), error) {
 // specOf is what the images of p's zygote must become.
 func specOf(p zygote.Proc) fixup.Spec {
 	s := fixup.Spec{Pid: p.NSPid, Cwd: p.Cwd.Path, Exe: p.Exe, PdeathSig: p.PdeathSig, ChildSubreaper: p.ChildSubreaper, Dumpable: p.Dumpable}
+	pipes := map[uint64]bool{} // a pipe open on two descriptors (both its ends, a dup) has one content
 	for _, f := range p.Fds {
 		switch f.Kind {
 		case zygote.KindPipe:
@@ -135,7 +136,8 @@ func specOf(p zygote.Proc) fixup.Spec {
 		default:
 			s.Files = append(s.Files, fixup.File{Fd: f.Fd, Path: f.Path, Flags: f.Flags, Pos: f.Pos})
 		}
-		if f.Kind == zygote.KindPipe || f.Kind == zygote.KindFIFO {
+		if (f.Kind == zygote.KindPipe || f.Kind == zygote.KindFIFO) && !pipes[f.Ino] {
+			pipes[f.Ino] = true
 			s.Pipes = append(s.Pipes, fixup.Pipe{Ino: f.Ino, Data: f.Data})
 		}
 	}
