@@ -541,6 +541,7 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	}
 	err := run(hooks)
 	if errors.Is(err, isolation.ErrNotResident) {
+		e.cfg.Logf("rollback of %s to %s not in place: %v", sb.ID, ck.ID, err)
 		clearRollback(e.cfg.DataDir, sb.ID)
 		return false, nil
 	}

@@ -8,12 +8,15 @@ package testenv
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/cairn-sandbox/cairn/criu"
 	"github.com/cairn-sandbox/cairn/engine"
@@ -115,9 +118,36 @@ func EngineWith(t testing.TB, configure func(*engine.Config)) *engine.Engine {
 	return e
 }
 
-// Config is the engine configuration of the tests.
+// Config is the engine configuration of the tests. What the engine logs (background
+// work's problems, rollbacks that left their fast path and why) is printed with the
+// test's output when the test fails.
 func Config(t testing.TB) engine.Config {
-	return engine.Config{DataDir: DataDir(), InitBinary: InitBinary(t)}
+	l := &engineLog{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("engine log:\n%s", l.text())
+		}
+	})
+	return engine.Config{DataDir: DataDir(), InitBinary: InitBinary(t), Logf: l.printf}
+}
+
+// engineLog keeps an engine's log lines; background work may write them after its test
+// has ended, which t.Logf does not allow.
+type engineLog struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *engineLog) printf(format string, args ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, time.Now().Format("15:04:05.000 ")+fmt.Sprintf(format, args...))
+}
+
+func (l *engineLog) text() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Join(l.lines, "\n")
 }
 
 var tmplMu sync.Mutex
