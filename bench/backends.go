@@ -74,6 +74,7 @@ func runBackends(ctx context.Context, e *engine.Engine, opts Options) (*Report, 
 		err := b.runWorkloads(ctx)
 		b.rep.Machine.StealPercent = stealSince(steal0, total0)
 		b.rep.CheckpointMS = summarize(b.ckMS)
+		b.rep.CheckpointStoppedMS = summarize(b.stoppedMS)
 		b.rep.RollbackMS = summarize(b.rbMS)
 		b.rep.DurationS = time.Since(b.rep.StartedAt).Seconds()
 		br := b.backendReport()

@@ -38,6 +38,11 @@ func TestW1Smoke(t *testing.T) {
 		t.Errorf("%d correctness checks passed, want %d", rep.Correctness.Passed, want)
 	}
 	checkJSONKeys(t, rep)
+	// The test engine keeps W1's checkpoints resident: each reports how long it stopped
+	// the processes, which is part of its call.
+	if st := rep.CheckpointStoppedMS; st.N == 0 || st.Max > rep.CheckpointMS.Max {
+		t.Errorf("checkpoint_stopped_ms %+v: want samples, none above the longest checkpoint (%v ms)", st, rep.CheckpointMS.Max)
+	}
 	for _, bl := range []struct {
 		name    string
 		missing func() string // a missing prerequisite, or ""

@@ -205,7 +205,7 @@ func (b *runner) measureSteps(ctx context.Context, n int) error {
 		if err != nil {
 			return err
 		}
-		b.ckMS = append(b.ckMS, ms(d))
+		b.addCheckpoint(ck, d)
 		// The filesystem half shares extents in the pool; the images are files outside
 		// it (the data directory's, or the image pool's).
 		b.stepCks = append(b.stepCks, ck.ID)
@@ -322,11 +322,11 @@ func (b *runner) measureRollbacks(ctx context.Context, n int) error {
 		if err := b.w.step(ctx); err != nil {
 			return err
 		}
-		_, d, err := b.w.checkpoint(ctx)
+		ck, d, err := b.w.checkpoint(ctx)
 		if err != nil {
 			return err
 		}
-		b.ckMS = append(b.ckMS, ms(d))
+		b.addCheckpoint(ck, d)
 	}
 	return nil
 }
@@ -442,4 +442,12 @@ func vmRSS(pid int) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no VmRSS in /proc/%d/status", pid)
+}
+
+// addCheckpoint counts a measured checkpoint that took d.
+func (b *runner) addCheckpoint(ck *model.Checkpoint, d time.Duration) {
+	b.ckMS = append(b.ckMS, ms(d))
+	if v, ok := ck.PhasesMS["stopped"]; ok {
+		b.stoppedMS = append(b.stoppedMS, v)
+	}
 }

@@ -44,7 +44,7 @@ func (r *Report) Print(w io.Writer) {
 	for _, op := range []struct {
 		name string
 		s    Stats
-	}{{"checkpoint", r.CheckpointMS}, {"rollback", r.RollbackMS}, {"fork ×1", r.Fork1MS},
+	}{{"checkpoint", r.CheckpointMS}, {"  sandbox stopped", r.CheckpointStoppedMS}, {"rollback", r.RollbackMS}, {"fork ×1", r.Fork1MS},
 		{"fork ×4", r.Fork4MS}, {"fork ×16", r.Fork16MS}, {"fork ×16 (warm)", r.Fork16WarmMS}, {"create", r.CreateMS}} {
 		if op.s.N > 0 {
 			printStats(tw, op.name, op.s)

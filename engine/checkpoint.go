@@ -101,7 +101,22 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	if err := os.MkdirAll(stagedImages, 0o700); err != nil {
 		return nil, err
 	}
+	// published waits for the snapshot's publication when the pool splits it
+	// (storage.SplitSnapshotter): the processes run again once its content is fixed,
+	// beside the rest of its commit.
+	var published func() error
+	waitFS := func() error {
+		if published == nil {
+			return nil
+		}
+		t := time.Now()
+		err := published()
+		published = nil
+		record("fs_published", time.Since(t))
+		return err
+	}
 	cleanup := func() {
+		waitFS()
 		e.pool.Delete(context.WithoutCancel(ctx), stagedFS)
 		os.RemoveAll(e.pool.Path(staged))
 		os.RemoveAll(stagedImages)
@@ -112,7 +127,12 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		t := time.Now()
 		// Not durable across a crash of the machine at once: the row written next is not
 		// either (synchronous=NORMAL), and Durable syncs both (syncCheckpoint).
-		err := e.snapshotLazy(ctx, sb.Root, stagedFS, true)
+		var err error
+		if sp, ok := e.pool.(storage.SplitSnapshotter); ok && !e.cfg.NoSplitSnapshots {
+			published, err = sp.SnapshotSplit(ctx, sb.Root, stagedFS, true)
+		} else {
+			err = e.snapshotLazy(ctx, sb.Root, stagedFS, true)
+		}
 		record("fs_snapshot", time.Since(t))
 		if err == nil {
 			crashPoint("checkpoint-frozen")
@@ -125,6 +145,10 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	if r, ok := e.residentOf(b); ok {
 		resident, why, err = e.checkpointResident(ctx, r, e.isb(sb), stagedImages, hooks)
 		if err != nil {
+			cleanup()
+			return nil, err
+		}
+		if err := waitFS(); err != nil && resident {
 			cleanup()
 			return nil, err
 		}
@@ -154,6 +178,10 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		e.pool.Sync(ctx, sb.Root)
 		record("sync", time.Since(t))
 		if err := b.Checkpoint(ctx, e.isb(sb), stagedImages, hooks); err != nil {
+			cleanup()
+			return nil, err
+		}
+		if err := waitFS(); err != nil {
 			cleanup()
 			return nil, err
 		}

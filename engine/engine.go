@@ -89,6 +89,11 @@ type Config struct {
 	// the kernel's send rather than from the volumes' changed items (a tree plan:
 	// storage/btrfs/treeplan.go); the environment's CAIRN_TREE_PLANS=0 does too.
 	NoTreePlans bool
+	// NoSplitSnapshots makes a checkpoint keep the sandbox stopped until its
+	// filesystem's snapshot is committed, not only until the snapshot's content is fixed
+	// (storage.SplitSnapshotter, storage/btrfs/fixed.go); the environment's
+	// CAIRN_SPLIT_SNAPSHOTS=0 does too.
+	NoSplitSnapshots bool
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)
 }
@@ -185,6 +190,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}
+	cfg.NoSplitSnapshots = cfg.NoSplitSnapshots || os.Getenv("CAIRN_SPLIT_SNAPSHOTS") == "0"
 	for _, d := range []string{cfg.DataDir, filepath.Join(cfg.DataDir, "locks")} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("data directory: %w", err)

@@ -46,6 +46,16 @@ type LazySnapshotter interface {
 	SnapshotLazy(ctx context.Context, src, dst string, readonly bool) error
 }
 
+// SplitSnapshotter is implemented by pools whose snapshots are fixed before they are
+// done: SnapshotSplit returns once nothing written to src from then on can reach dst
+// (the caller may let src's writers go), and published, which must be called, returns
+// once dst is published as by SnapshotLazy, or why it was not (dst is then absent).
+// A checkpoint lets its sandbox run again without waiting for the snapshot's commit to
+// reach the disk. Callers find it by type assertion.
+type SplitSnapshotter interface {
+	SnapshotSplit(ctx context.Context, src, dst string, readonly bool) (published func() error, err error)
+}
+
 // Reverter is implemented by pools that can bring a writable volume back to the content
 // of one of its read-only snapshots in place, instead of replacing it by a new snapshot.
 // Callers find it by type assertion on a Pool.

@@ -153,7 +153,7 @@ func (p *Pool) Create(ctx context.Context, name string) error {
 // Snapshot makes dst a snapshot of src and publishes it atomically (see the package
 // documentation). It fails with AlreadyExists, leaving dst untouched, if dst exists.
 func (p *Pool) Snapshot(ctx context.Context, src, dst string, readonly bool) error {
-	return p.snapshot(ctx, src, dst, readonly, true)
+	return p.snapshot(ctx, src, dst, readonly, true, nil)
 }
 
 var _ storage.LazySnapshotter = (*Pool)(nil)
@@ -163,10 +163,13 @@ var _ storage.LazySnapshotter = (*Pool)(nil)
 // (30 s), a crash of the machine may leave the snapshot under its temporary name, which
 // Recover removes, or not at all.
 func (p *Pool) SnapshotLazy(ctx context.Context, src, dst string, readonly bool) error {
-	return p.snapshot(ctx, src, dst, readonly, false)
+	return p.snapshot(ctx, src, dst, readonly, false, nil)
 }
 
-func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable bool) error {
+// snapshot makes dst a snapshot of src; fixed, if not nil, is called once the
+// snapshot's content is (fixed.go), from another goroutine, and at the latest before
+// the snapshot is published.
+func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable bool, fixed func()) error {
 	if err := validName(src); err != nil {
 		return err
 	}
@@ -206,10 +209,19 @@ func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable 
 	}
 	tmp := tmpName(base)
 	t := time.Now()
-	if err := snapCreate(pfd, srcfd, tmp, readonly); err != nil {
+	stop := func() {}
+	if fixed != nil {
+		stop = watchFixed(pfd, tmp, fixed)
+	}
+	err = snapCreate(pfd, srcfd, tmp, readonly)
+	stop()
+	if err != nil {
 		return p.opError("snapshot "+src+" to", dst, err)
 	}
 	phase.Since(ctx, "snapshot_ioctl", t)
+	if fixed != nil {
+		fixed()
+	}
 	if err := unix.Renameat2(pfd, tmp, pfd, base, unix.RENAME_NOREPLACE); err != nil {
 		_ = snapDestroy(pfd, tmp) // best effort; Recover removes it otherwise
 		return p.opError("snapshot: publish", dst, err)

@@ -40,8 +40,8 @@ type CaptureOptions struct {
 	// error aborts the capture; the processes stay stopped until it returns.
 	Frozen func() error
 	// Phase, if set, is told how long each phase took ("stop", "zygote_scan",
-	// "zygote_track", "zygote_fork", "zygotes", "fs", "resume"), from two goroutines at
-	// once.
+	// "zygote_track", "zygote_fork", "zygotes", "fs", "resume", and "stopped": from the
+	// stop to the end of the resume), from two goroutines at once.
 	Phase func(name string, d time.Duration)
 	// Tracks, if set, follows the processes' writes from here on, so that a rollback to
 	// this checkpoint can bring them back in place (Rewind).
@@ -78,7 +78,7 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 	err = tr.Do(func() error {
 		t := time.Now()
 		procs, stopped, err := stopAll(kids)
-		defer func() {
+		defer func(stop time.Time) {
 			t := time.Now()
 			for i, p := range procs {
 				if i >= stopped {
@@ -88,7 +88,8 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 				}
 			}
 			o.report("resume", t)
-		}()
+			o.report("stopped", stop) // how long the processes did not run
+		}(t)
 		if err != nil {
 			return err
 		}
