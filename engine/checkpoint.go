@@ -93,32 +93,40 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	}
 	ck := &model.Checkpoint{ID: newID("", 12), SandboxID: id, Parent: sb.Head, Label: opts.Label,
 		Isolation: sb.Isolation, Method: method(b)}
-	// The read-only snapshot is staged inside a plain directory: a read-only subvolume
-	// cannot be renamed itself, its directory can.
+	final := filepath.Join(checkpointsDir, ck.ID)
+	// Where the pool splits a snapshot (storage.SplitSnapshotter), it is made under its
+	// final name, the processes run again once its content is fixed, and the rest of its
+	// commit goes on after the call returns (publish, below; the pool's operations on it
+	// wait for it meanwhile). Otherwise the read-only snapshot is staged inside a plain
+	// directory (a read-only subvolume cannot be renamed itself, its directory can) and
+	// renamed into place.
+	sp, split := e.pool.(storage.SplitSnapshotter)
+	split = split && !e.cfg.NoSplitSnapshots
 	staged := filepath.Join(stagingDir, id+"-"+ck.ID)
-	stagedFS := filepath.Join(staged, "fs")
+	fsAt := filepath.Join(staged, "fs")
+	if split {
+		fsAt = filepath.Join(final, "fs")
+	}
 	stagedImages := e.imagesPath(filepath.Join(e.imgRoot, stagingDir+"-"+id+"-"+ck.ID))
 	if err := os.MkdirAll(stagedImages, 0o700); err != nil {
 		return nil, err
 	}
-	// published waits for the snapshot's publication when the pool splits it
-	// (storage.SplitSnapshotter): the processes run again once its content is fixed,
-	// beside the rest of its commit.
-	var published func() error
+	var published func() error // the split snapshot's end, until waited for
 	waitFS := func() error {
 		if published == nil {
 			return nil
 		}
-		t := time.Now()
 		err := published()
 		published = nil
-		record("fs_published", time.Since(t))
 		return err
 	}
 	cleanup := func() {
 		waitFS()
-		e.pool.Delete(context.WithoutCancel(ctx), stagedFS)
+		e.pool.Delete(context.WithoutCancel(ctx), fsAt)
 		os.RemoveAll(e.pool.Path(staged))
+		if split {
+			os.Remove(e.pool.Path(final))
+		}
 		os.RemoveAll(stagedImages)
 	}
 	record("prepare", time.Since(t))
@@ -128,10 +136,10 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 		// Not durable across a crash of the machine at once: the row written next is not
 		// either (synchronous=NORMAL), and Durable syncs both (syncCheckpoint).
 		var err error
-		if sp, ok := e.pool.(storage.SplitSnapshotter); ok && !e.cfg.NoSplitSnapshots {
-			published, err = sp.SnapshotSplit(ctx, sb.Root, stagedFS, true)
+		if split {
+			published, err = sp.SnapshotSplit(ctx, sb.Root, fsAt, true)
 		} else {
-			err = e.snapshotLazy(ctx, sb.Root, stagedFS, true)
+			err = e.snapshotLazy(ctx, sb.Root, fsAt, true)
 		}
 		record("fs_snapshot", time.Since(t))
 		if err == nil {
@@ -148,14 +156,13 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 			cleanup()
 			return nil, err
 		}
-		if err := waitFS(); err != nil && resident {
-			cleanup()
-			return nil, err
+		if !resident {
+			waitFS()
 		}
-		if !resident && e.pool.Exists(stagedFS) {
+		if !resident && e.pool.Exists(fsAt) {
 			// Found ineligible once the snapshot was under way (it runs beside the
 			// forks): the CRIU path takes its own.
-			if err := e.pool.Delete(ctx, stagedFS); err != nil {
+			if err := e.pool.Delete(ctx, fsAt); err != nil {
 				cleanup()
 				return nil, err
 			}
@@ -181,10 +188,6 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 			cleanup()
 			return nil, err
 		}
-		if err := waitFS(); err != nil {
-			cleanup()
-			return nil, err
-		}
 		if why != "" {
 			os.WriteFile(filepath.Join(stagedImages, whyFile), []byte(why), 0o600)
 		}
@@ -193,13 +196,14 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	// Publish both halves under their final names; the metadata row written next is what
 	// makes the checkpoint exist.
 	t = time.Now()
-	final := filepath.Join(checkpointsDir, ck.ID)
 	ck.FSVolume = filepath.Join(final, "fs")
 	ck.Images = filepath.Join(e.imgRoot, ck.ID)
-	os.MkdirAll(e.pool.Path(checkpointsDir), 0o755)
-	if err := os.Rename(e.pool.Path(staged), e.pool.Path(final)); err != nil {
-		cleanup()
-		return nil, fmt.Errorf("publish checkpoint: %w", err)
+	if !split {
+		os.MkdirAll(e.pool.Path(checkpointsDir), 0o755)
+		if err := os.Rename(e.pool.Path(staged), e.pool.Path(final)); err != nil {
+			cleanup()
+			return nil, fmt.Errorf("publish checkpoint: %w", err)
+		}
 	}
 	if err := os.Rename(stagedImages, e.imagesPath(ck.Images)); err != nil {
 		e.removeCheckpointFiles(context.WithoutCancel(ctx), ck.ID)
@@ -215,10 +219,14 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	ck.PhasesMS = phases // the backend's phases, some reported from another goroutine, are all in
 	ck.DurationMS = float64(time.Since(start).Microseconds()) / 1000
 	if err := e.db.AddCheckpoint(ctx, ck, sb); err != nil {
+		waitFS()
 		e.removeCheckpointFiles(context.WithoutCancel(ctx), ck.ID)
 		return nil, err
 	}
 	phase.Since(ctx, "row", t)
+	if published != nil {
+		e.publishLater(ck, published)
+	}
 	if resident {
 		// Images, compaction and the eviction of the oldest resident checkpoints follow
 		// the durable copy.
@@ -685,4 +693,19 @@ func method(b isolation.Backend) string {
 		return "runsc-save"
 	}
 	return b.Name()
+}
+
+// publishLater waits, in the background, for the end of the split snapshot of ck's
+// filesystem (storage.SplitSnapshotter), which the checkpoint's call did not wait for.
+// The kernel finishes it even if cairn dies meanwhile; should it fail (the filesystem
+// turned read-only, say), the checkpoint is deleted and the failure logged.
+func (e *Engine) publishLater(ck *model.Checkpoint, published func() error) {
+	e.background(func(ctx context.Context) {
+		if err := published(); err != nil {
+			e.cfg.Logf("checkpoint %s of sandbox %s: its filesystem's snapshot failed once the sandbox ran again, deleting the checkpoint: %v", ck.ID, ck.SandboxID, err)
+			if err := e.deleteCheckpoints(ctx, []string{ck.ID}); err != nil {
+				e.cfg.Logf("delete checkpoint %s: %v", ck.ID, err)
+			}
+		}
+	})
 }

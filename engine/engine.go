@@ -248,8 +248,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 // joinDataDir announces an engine on dataDir: every open engine holds a shared lock on
 // locks/engines, and the one that could take it alone first (no other engine alive on
 // the directory: cairn restarted) says so. Resident checkpoints are another live
-// engine's work (its zygotes, its durable copies): only an engine alone recovers them
-// (recoverResidents).
+// engine's work (its zygotes, its durable copies, its snapshots still being made): only
+// an engine alone recovers them (recoverResidents, recoverLost).
 func joinDataDir(dataDir string) (*os.File, bool, error) {
 	f, err := os.OpenFile(filepath.Join(dataDir, "locks", "engines"), os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
 	if err != nil {

@@ -45,7 +45,9 @@ func (e *Engine) recover(ctx context.Context) error {
 		}
 	}
 	e.recoverStandbys(ctx)
-	e.recoverLost(ctx)
+	if e.alone {
+		e.recoverLost(ctx)
+	}
 	_, err = e.sweep(ctx, false)
 	e.recoverImages(ctx)
 	e.recoverResidents(ctx)
@@ -94,7 +96,10 @@ func (e *Engine) recoverLater(r Recoverer, id string) {
 // took it (a checkpoint's snapshot is published lazily, durable only once the pool is
 // synced: Durable checkpoints are, and the others within btrfs's commit interval) while
 // its row survived. Its children, if any survived, are re-parented onto its parent, and a
-// sandbox whose head it was gets that parent as head.
+// sandbox whose head it was gets that parent as head. Only an engine alone on the data
+// directory runs it (after a crash of the machine, the first to start is): another
+// engine's checkpoint has its row before its split snapshot is done (publishLater), and
+// was deleted as lost by an engine opened in those milliseconds.
 func (e *Engine) recoverLost(ctx context.Context) {
 	cks, err := e.db.Checkpoints(ctx)
 	if err != nil {

@@ -381,7 +381,8 @@ func inPlaceCrashChild(t *testing.T, point string) {
 
 // TestRecoverLostCheckpoint: a checkpoint whose filesystem a crash of the machine took
 // (its snapshot is published lazily) while its row survived is deleted by the next
-// engine's recovery; the sandbox's head goes back to its parent, which still rolls back.
+// engine's recovery, once it is alone (not by an engine opened beside a live one); the
+// sandbox's head goes back to its parent, which still rolls back.
 func TestRecoverLostCheckpoint(t *testing.T) {
 	e := testenv.Engine(t)
 	ctx := context.Background()
@@ -397,15 +398,30 @@ func TestRecoverLostCheckpoint(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.Quiesce()
-	// What the crash leaves: c2's row, not its filesystem.
+	// What the crash leaves: c2's row, not its filesystem; and no engine (the next one
+	// is alone on the data directory, and recovers).
 	if out, err := exec.Command("btrfs", "subvolume", "delete", e.PoolPath(c2.FSVolume)).CombinedOutput(); err != nil {
 		t.Fatalf("delete %s: %v: %s", c2.FSVolume, err, out)
 	}
+	// An engine opened beside a live one leaves its checkpoints alone: a row before its
+	// filesystem is what a split snapshot still being made looks like.
+	beside, err := engine.Open(ctx, testenv.Config(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = beside.GetCheckpoint(ctx, c2.ID)
+	beside.Close()
+	if err != nil {
+		t.Fatalf("an engine opened beside a live one deleted checkpoint %s: %v", c2.ID, err)
+	}
+	e.Close()
 	e2, err := engine.Open(ctx, testenv.Config(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer e2.Close()
+	defer e2.Quiesce()
+	defer e2.Remove(ctx, sb.ID) // e, closed, cannot
 	if _, err := e2.GetCheckpoint(ctx, c2.ID); err == nil {
 		t.Fatalf("checkpoint %s, whose filesystem is gone, is still listed", c2.ID)
 	}

@@ -49,9 +49,10 @@ type LazySnapshotter interface {
 // SplitSnapshotter is implemented by pools whose snapshots are fixed before they are
 // done: SnapshotSplit returns once nothing written to src from then on can reach dst
 // (the caller may let src's writers go), and published, which must be called, returns
-// once dst is published as by SnapshotLazy, or why it was not (dst is then absent).
-// A checkpoint lets its sandbox run again without waiting for the snapshot's commit to
-// reach the disk. Callers find it by type assertion.
+// once dst exists, or why it does not. Until then the pool's own operations on dst wait
+// for it; other processes see no dst. A checkpoint lets its sandbox run again, and
+// returns, without waiting for the snapshot's commit to reach the disk. Callers find it
+// by type assertion.
 type SplitSnapshotter interface {
 	SnapshotSplit(ctx context.Context, src, dst string, readonly bool) (published func() error, err error)
 }

@@ -118,6 +118,11 @@ type Pool struct {
 	sendOnly bool
 	// lineages is what tree plans remember of the volumes' snapshots (lineage.go).
 	lineages lineages
+
+	// pending are the volumes SnapshotSplit is publishing, each with the channel closed
+	// once it is; the pool's operations on them wait (await).
+	pendingMu sync.Mutex
+	pending   map[string]chan struct{}
 }
 
 var _ storage.Pool = (*Pool)(nil)
@@ -178,6 +183,7 @@ func (p *Pool) Path(name string) string {
 	if validName(name) != nil {
 		return ""
 	}
+	p.await(name)
 	return filepath.Join(p.dir, filepath.FromSlash(name))
 }
 

@@ -52,10 +52,13 @@ func TestSnapshotSplit(t *testing.T) {
 		dst := fmt.Sprintf("split/s%d", k)
 		published, err := p.SnapshotSplit(ctx, "split/live", dst, true)
 		must(t, err)
-		if !p.Exists(dst) {
-			early++ // returned before the snapshot's commit was done
+		if _, err := os.Lstat(filepath.Join(p.Root(), dst)); err != nil {
+			early++ // returned before the snapshot's ioctl did
 		}
 		change(2*k + 1)
+		if k%2 == 0 && !p.Exists(dst) { // the pool's own operations wait for it
+			t.Fatalf("round %d: Exists(%s) false while the snapshot was being published", k, dst)
+		}
 		must(t, published())
 		if got := treeOf(t, p.Path(dst)); got != want {
 			t.Fatalf("round %d: the snapshot holds writes made after SnapshotSplit returned:\n got %.400s\nwant %.400s", k, got, want)
@@ -67,6 +70,17 @@ func TestSnapshotSplit(t *testing.T) {
 		t.Fatalf("SnapshotSplit returned after the snapshot was published in all %d rounds: the watch for its root reference never saw it", rounds)
 	}
 	t.Logf("%d of %d splits returned before the snapshot's commit was done", early, rounds)
+
+	// A name taken fails, and leaves the volume there alone.
+	if published, err := p.SnapshotSplit(ctx, "split/live", "split/s0", true); err == nil {
+		err = published()
+		if err == nil {
+			t.Fatal("SnapshotSplit onto an existing volume succeeded")
+		}
+	}
+	if !p.Exists("split/s0") {
+		t.Fatal("SnapshotSplit onto an existing volume removed it")
+	}
 }
 
 // treeOf describes every entry below dir: path, type, size and content.

@@ -50,6 +50,7 @@ func (p *Pool) Unchanged(live, base string) (bool, error) {
 			return false, err
 		}
 	}
+	p.await(live, base)
 	rootfd, err := p.acquire()
 	if err != nil {
 		return false, err
@@ -144,6 +145,7 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 			return nil, err
 		}
 	}
+	p.await(base, snapshot)
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -183,6 +185,7 @@ func (p *Pool) RevertPlanned(ctx context.Context, live string, plans ...storage.
 	if err := validName(live); err != nil {
 		return st, err
 	}
+	p.await(live)
 	if len(plans) == 0 {
 		return st, errdefs.InvalidArgument("btrfs pool %s: revert %q: no plan to apply", p.dir, live)
 	}

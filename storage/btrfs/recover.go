@@ -15,6 +15,7 @@ import (
 // volumes through the btrfs root references (two ioctls per volume) instead of walking
 // directory trees, so its cost grows with the number of volumes, not of files.
 func (p *Pool) Recover(ctx context.Context) error {
+	p.await("")
 	rootfd, err := p.acquire()
 	if err != nil {
 		return err

@@ -75,6 +75,7 @@ import (
 // taken before: send sets its times again, a tree plan reads and compares it. A cost
 // that grows with what earlier Reverts restored, never a difference in the result.
 func (p *Pool) Revert(ctx context.Context, live, snapshot string) (storage.RevertStats, error) {
+	p.await(live, snapshot)
 	return p.revert(ctx, live, snapshot, revertOptions{})
 }
 

@@ -131,6 +131,7 @@ func (p *Pool) Create(ctx context.Context, name string) error {
 	if err := validName(name); err != nil {
 		return err
 	}
+	p.await(name)
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -153,7 +154,8 @@ func (p *Pool) Create(ctx context.Context, name string) error {
 // Snapshot makes dst a snapshot of src and publishes it atomically (see the package
 // documentation). It fails with AlreadyExists, leaving dst untouched, if dst exists.
 func (p *Pool) Snapshot(ctx context.Context, src, dst string, readonly bool) error {
-	return p.snapshot(ctx, src, dst, readonly, true, nil)
+	p.await(src, dst)
+	return p.snapshot(ctx, src, dst, readonly, true)
 }
 
 var _ storage.LazySnapshotter = (*Pool)(nil)
@@ -163,13 +165,11 @@ var _ storage.LazySnapshotter = (*Pool)(nil)
 // (30 s), a crash of the machine may leave the snapshot under its temporary name, which
 // Recover removes, or not at all.
 func (p *Pool) SnapshotLazy(ctx context.Context, src, dst string, readonly bool) error {
-	return p.snapshot(ctx, src, dst, readonly, false, nil)
+	p.await(src, dst)
+	return p.snapshot(ctx, src, dst, readonly, false)
 }
 
-// snapshot makes dst a snapshot of src; fixed, if not nil, is called once the
-// snapshot's content is (fixed.go), from another goroutine, and at the latest before
-// the snapshot is published.
-func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable bool, fixed func()) error {
+func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable bool) error {
 	if err := validName(src); err != nil {
 		return err
 	}
@@ -209,19 +209,10 @@ func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable 
 	}
 	tmp := tmpName(base)
 	t := time.Now()
-	stop := func() {}
-	if fixed != nil {
-		stop = watchFixed(pfd, tmp, fixed)
-	}
-	err = snapCreate(pfd, srcfd, tmp, readonly)
-	stop()
-	if err != nil {
+	if err := snapCreate(pfd, srcfd, tmp, readonly); err != nil {
 		return p.opError("snapshot "+src+" to", dst, err)
 	}
 	phase.Since(ctx, "snapshot_ioctl", t)
-	if fixed != nil {
-		fixed()
-	}
 	if err := unix.Renameat2(pfd, tmp, pfd, base, unix.RENAME_NOREPLACE); err != nil {
 		_ = snapDestroy(pfd, tmp) // best effort; Recover removes it otherwise
 		return p.opError("snapshot: publish", dst, err)
@@ -250,6 +241,7 @@ func (p *Pool) Delete(ctx context.Context, name string) error {
 	if err := validName(name); err != nil {
 		return err
 	}
+	p.await(name)
 	rootfd, err := p.acquire()
 	if err != nil {
 		return err
@@ -315,6 +307,7 @@ func (p *Pool) SetReadOnly(ctx context.Context, name string, readonly bool) erro
 	if err := validName(name); err != nil {
 		return err
 	}
+	p.await(name)
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -347,6 +340,7 @@ func (p *Pool) Exists(name string) bool {
 	if validName(name) != nil {
 		return false
 	}
+	p.await(name)
 	rootfd, err := p.acquire()
 	if err != nil {
 		return false
@@ -366,6 +360,7 @@ func (p *Pool) Sync(ctx context.Context, name string) error {
 	if err := validName(name); err != nil {
 		return err
 	}
+	p.await(name)
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -388,6 +383,7 @@ func (p *Pool) Usage(ctx context.Context, name string) (exclusive, referenced in
 	if err := validName(name); err != nil {
 		return 0, 0, err
 	}
+	p.await(name)
 	rootfd, err := p.acquire()
 	if err != nil {
 		return 0, 0, err

@@ -64,14 +64,25 @@ func (o *CaptureOptions) report(name string, start time.Time) {
 // captured this way (the caller falls back to CRIU).
 func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record, error) {
 	t0 := time.Now()
-	kids, err := o.list()
-	if err != nil {
-		return nil, err
-	}
-	for _, k := range kids {
-		if err := checkBefore(k, o.Init.Pid); err != nil {
+	var kids []int
+	var err error
+	// A process that has just exited is a zombie until init reaps it, which it does as
+	// soon as it runs: wait for that a little rather than give up the zygotes (a
+	// process killed with its group left a child zombie for init to reap, conformance
+	// ResidentPaths).
+	for deadline := t0.Add(reapWait); ; {
+		if kids, err = o.list(); err != nil {
 			return nil, err
 		}
+		var in *Ineligible
+		if err = checkAll(kids, o.Init.Pid); errors.As(err, &in) && in.zombie && time.Now().Before(deadline) {
+			time.Sleep(reapWait / 50)
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		break
 	}
 	o.report("check", t0)
 	rec := &Record{Version: Version, Init: o.Init}
@@ -113,6 +124,18 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 	}
 	o.Tracks.captured(rec, kids)
 	return rec, nil
+}
+
+// reapWait bounds how long Capture waits for init to reap a process that has exited.
+const reapWait = 20 * time.Millisecond
+
+func checkAll(kids []int, init int) error {
+	for _, k := range kids {
+		if err := checkBefore(k, init); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // frozen starts o.Frozen on its own goroutine and returns the wait for its result.

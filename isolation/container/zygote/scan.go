@@ -127,7 +127,7 @@ func sessionOf(pid int) (sid, pgid int, err error) {
 func checkBefore(pid, init int) error {
 	switch st := ptrace.ProcState(pid); st {
 	case "Z", "X":
-		return ineligible("process %d has exited and init has not reaped it yet", pid)
+		return &Ineligible{Reason: fmt.Sprintf("process %d has exited and init has not reaped it yet", pid), zombie: true}
 	case "T", "t":
 		return ineligible("process %d is stopped", pid)
 	}

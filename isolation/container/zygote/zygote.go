@@ -158,7 +158,10 @@ type Map struct {
 }
 
 // Ineligible says why a sandbox's processes cannot be captured as zygotes.
-type Ineligible struct{ Reason string }
+type Ineligible struct {
+	Reason string
+	zombie bool // a process has exited, and init has not reaped it yet
+}
 
 func (e *Ineligible) Error() string { return "not eligible for zygotes: " + e.Reason }
 
