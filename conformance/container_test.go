@@ -77,6 +77,13 @@ func TestContainerNoRewind(t *testing.T) {
 	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.NoRewinds = true }))
 }
 
+// TestContainerNoSplit runs the suite with resident checkpoints whose processes stay
+// stopped until the filesystem's snapshot is committed, staged and renamed into place,
+// and whose call returns after that (storage.SplitSnapshotter unused).
+func TestContainerNoSplit(t *testing.T) {
+	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.NoSplitSnapshots = true }))
+}
+
 // TestContainerNoStandby runs the suite with every fast path disabled: every checkpoint
 // is a CRIU dump, and each rollback and fork a CRIU restore.
 func TestContainerNoStandby(t *testing.T) {
