@@ -85,23 +85,13 @@ func (p *Pool) SnapshotSplit(ctx context.Context, src, dst string, readonly bool
 // snapshotAt makes dst a snapshot of src by one ioctl in dst's parent directory (made
 // if missing), calling fixed once its content is fixed and at the latest on success.
 func (p *Pool) snapshotAt(ctx context.Context, src, dst string, readonly bool, fixed func()) error {
-	rootfd, err := p.acquire()
+	e, err := p.openSnapshotEnds(src, dst)
 	if err != nil {
 		return err
 	}
-	defer p.mu.RUnlock()
-	srcfd, err := openVolume(rootfd, src)
-	if err != nil {
-		return p.opError("snapshot source", src, err)
-	}
-	defer unix.Close(srcfd)
-	pfd, base, err := openParent(rootfd, dst, true)
-	if err != nil {
-		return p.opError("snapshot", dst, err)
-	}
-	defer unix.Close(pfd)
-	stop := watchFixed(pfd, base, fixed)
-	err = snapCreate(pfd, srcfd, base, readonly)
+	defer e.release()
+	stop := watchFixed(e.pfd, e.base, fixed)
+	err = snapCreate(e.pfd, e.srcfd, e.base, readonly)
 	stop()
 	if err != nil {
 		return p.opError("snapshot "+src+" to", dst, err)

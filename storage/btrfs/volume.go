@@ -176,16 +176,12 @@ func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable 
 	if err := validName(dst); err != nil {
 		return err
 	}
-	rootfd, err := p.acquire()
+	e, err := p.openSnapshotEnds(src, dst)
 	if err != nil {
 		return err
 	}
-	defer p.mu.RUnlock()
-	srcfd, err := openVolume(rootfd, src)
-	if err != nil {
-		return p.opError("snapshot source", src, err)
-	}
-	defer unix.Close(srcfd)
+	defer e.release()
+	rootfd, srcfd, pfd, base := e.rootfd, e.srcfd, e.pfd, e.base
 	// Shared pool lock: Recover must not take our temporary name for a crash leftover.
 	lfd, err := unix.Openat(rootfd, lockName, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -196,11 +192,6 @@ func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable 
 		return err
 	}
 	defer unlock()
-	pfd, base, err := openParent(rootfd, dst, true)
-	if err != nil {
-		return p.opError("snapshot", dst, err)
-	}
-	defer unix.Close(pfd)
 	// Fail before the (comparatively expensive) snapshot if dst is obviously taken; the
 	// rename below is what actually guarantees dst is never replaced.
 	var st unix.Stat_t
@@ -228,6 +219,38 @@ func (p *Pool) snapshot(ctx context.Context, src, dst string, readonly, durable 
 	}
 	phase.Since(ctx, "snapshot_fsync", t)
 	return nil
+}
+
+// snapshotEnds are what a snapshot needs open: the pool (acquired), its source volume
+// and the parent directory of its destination, whose name in it is base.
+type snapshotEnds struct {
+	rootfd, srcfd, pfd int
+	base               string
+	release            func() // closes both and lets the pool go
+}
+
+// openSnapshotEnds opens a snapshot's ends, making dst's parent directory if missing.
+func (p *Pool) openSnapshotEnds(src, dst string) (*snapshotEnds, error) {
+	rootfd, err := p.acquire()
+	if err != nil {
+		return nil, err
+	}
+	srcfd, err := openVolume(rootfd, src)
+	if err != nil {
+		p.mu.RUnlock()
+		return nil, p.opError("snapshot source", src, err)
+	}
+	pfd, base, err := openParent(rootfd, dst, true)
+	if err != nil {
+		unix.Close(srcfd)
+		p.mu.RUnlock()
+		return nil, p.opError("snapshot", dst, err)
+	}
+	return &snapshotEnds{rootfd: rootfd, srcfd: srcfd, pfd: pfd, base: base, release: func() {
+		unix.Close(srcfd)
+		unix.Close(pfd)
+		p.mu.RUnlock()
+	}}, nil
 }
 
 func tmpName(base string) string {
