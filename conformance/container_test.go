@@ -77,11 +77,11 @@ func TestContainerNoRewind(t *testing.T) {
 	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.NoRewinds = true }))
 }
 
-// TestContainerNoSplit runs the suite with resident checkpoints whose processes stay
-// stopped until the filesystem's snapshot is committed, staged and renamed into place,
-// and whose call returns after that (storage.SplitSnapshotter unused).
-func TestContainerNoSplit(t *testing.T) {
-	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.NoSplitSnapshots = true }))
+// TestContainerSplit runs the suite with split snapshots: a checkpoint's processes run
+// again, and its call returns, once its filesystem's snapshot is fixed, which is made
+// under its final name and committed behind the call (storage.SplitSnapshotter).
+func TestContainerSplit(t *testing.T) {
+	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.SplitSnapshots = true }))
 }
 
 // TestContainerNoStandby runs the suite with every fast path disabled: every checkpoint

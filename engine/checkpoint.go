@@ -101,7 +101,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	// directory (a read-only subvolume cannot be renamed itself, its directory can) and
 	// renamed into place.
 	sp, split := e.pool.(storage.SplitSnapshotter)
-	split = split && !e.cfg.NoSplitSnapshots
+	split = split && e.cfg.SplitSnapshots
 	staged := filepath.Join(stagingDir, id+"-"+ck.ID)
 	fsAt := filepath.Join(staged, "fs")
 	if split {
@@ -700,8 +700,11 @@ func method(b isolation.Backend) string {
 // The kernel finishes it even if cairn dies meanwhile; should it fail (the filesystem
 // turned read-only, say), the checkpoint is deleted and the failure logged.
 func (e *Engine) publishLater(ck *model.Checkpoint, published func() error) {
+	e.publishing.Store(ck.ID, struct{}{})
 	e.background(func(ctx context.Context) {
-		if err := published(); err != nil {
+		err := published()
+		e.publishing.Delete(ck.ID)
+		if err != nil {
 			e.cfg.Logf("checkpoint %s of sandbox %s: its filesystem's snapshot failed once the sandbox ran again, deleting the checkpoint: %v", ck.ID, ck.SandboxID, err)
 			if err := e.deleteCheckpoints(ctx, []string{ck.ID}); err != nil {
 				e.cfg.Logf("delete checkpoint %s: %v", ck.ID, err)
