@@ -157,14 +157,14 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 			return nil, err
 		}
 		if !resident {
-			waitFS()
-		}
-		if !resident && e.pool.Exists(fsAt) {
 			// Found ineligible once the snapshot was under way (it runs beside the
 			// forks): the CRIU path takes its own.
-			if err := e.pool.Delete(ctx, fsAt); err != nil {
-				cleanup()
-				return nil, err
+			waitFS()
+			if e.pool.Exists(fsAt) {
+				if err := e.pool.Delete(ctx, fsAt); err != nil {
+					cleanup()
+					return nil, err
+				}
 			}
 		}
 	}
@@ -700,11 +700,8 @@ func method(b isolation.Backend) string {
 // The kernel finishes it even if cairn dies meanwhile; should it fail (the filesystem
 // turned read-only, say), the checkpoint is deleted and the failure logged.
 func (e *Engine) publishLater(ck *model.Checkpoint, published func() error) {
-	e.publishing.Store(ck.ID, struct{}{})
 	e.background(func(ctx context.Context) {
-		err := published()
-		e.publishing.Delete(ck.ID)
-		if err != nil {
+		if err := published(); err != nil {
 			e.cfg.Logf("checkpoint %s of sandbox %s: its filesystem's snapshot failed once the sandbox ran again, deleting the checkpoint: %v", ck.ID, ck.SandboxID, err)
 			if err := e.deleteCheckpoints(ctx, []string{ck.ID}); err != nil {
 				e.cfg.Logf("delete checkpoint %s: %v", ck.ID, err)

@@ -117,9 +117,6 @@ type Engine struct {
 	// engine was alive on it when this one opened (joinDataDir).
 	presence *os.File
 	alone    bool
-	// publishing are the checkpoints whose split snapshot is still being made
-	// (publishLater), by ID.
-	publishing sync.Map
 
 	// bgWG counts background work (standby preparation, cleanup); Close waits for it.
 	bgWG sync.WaitGroup

@@ -592,7 +592,7 @@ func (e *Engine) planRevert(ctx context.Context, sb *model.Sandbox, ck *model.Ch
 	if err != nil || head.FSVolume == "" {
 		return nil
 	}
-	if _, pending := e.publishing.Load(head.ID); !pending {
+	if sp, ok := e.pool.(storage.SplitSnapshotter); !ok || !sp.Publishing(head.FSVolume) {
 		if ok, err := pr.Unchanged(sb.Root, head.FSVolume); err != nil || !ok {
 			return nil
 		}

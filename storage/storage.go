@@ -55,6 +55,8 @@ type LazySnapshotter interface {
 // by type assertion.
 type SplitSnapshotter interface {
 	SnapshotSplit(ctx context.Context, src, dst string, readonly bool) (published func() error, err error)
+	// Publishing reports whether the volume name is a split snapshot not yet published.
+	Publishing(name string) bool
 }
 
 // Reverter is implemented by pools that can bring a writable volume back to the content

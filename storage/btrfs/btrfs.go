@@ -70,6 +70,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -123,6 +124,7 @@ type Pool struct {
 	// once it is; the pool's operations on them wait (await).
 	pendingMu sync.Mutex
 	pending   map[string]chan struct{}
+	npending  atomic.Int32 // len(pending): every operation checks it, without the lock
 }
 
 var _ storage.Pool = (*Pool)(nil)

@@ -55,36 +55,36 @@ func (p *Pool) SnapshotSplit(ctx context.Context, src, dst string, readonly bool
 	fixed := make(chan struct{})
 	var fixOnce sync.Once
 	result := make(chan error, 1)
-	// The goroutine outlives the call: it reports no phases (the caller's recorder may
-	// be gone) and is not cancelled with it (the ioctl cannot be).
-	bg := phase.With(context.WithoutCancel(ctx), nil)
+	// The goroutine outlives the call (the ioctl cannot be cancelled).
 	go func() {
-		err := p.snapshotAt(bg, src, dst, readonly, func() { fixOnce.Do(func() { close(fixed) }) })
+		err := p.snapshotAt(src, dst, readonly, func() { fixOnce.Do(func() { close(fixed) }) })
 		p.unpend(dst, done)
 		result <- err
 	}()
-	var once sync.Once
-	var err error
-	published := func() error {
-		once.Do(func() { err = <-result })
-		return err
-	}
 	t := time.Now()
 	select {
 	case <-fixed:
 		phase.Since(ctx, "snapshot_fixed", t)
+		return sync.OnceValue(func() error { return <-result }), nil
 	case err := <-result:
 		if err != nil {
 			return nil, err // failed before the snapshot existed
 		}
-		result <- err
+		return func() error { return nil }, nil
 	}
-	return published, nil
+}
+
+// Publishing implements storage.SplitSnapshotter.
+func (p *Pool) Publishing(name string) bool {
+	p.pendingMu.Lock()
+	defer p.pendingMu.Unlock()
+	_, ok := p.pending[name]
+	return ok
 }
 
 // snapshotAt makes dst a snapshot of src by one ioctl in dst's parent directory (made
 // if missing), calling fixed once its content is fixed and at the latest on success.
-func (p *Pool) snapshotAt(ctx context.Context, src, dst string, readonly bool, fixed func()) error {
+func (p *Pool) snapshotAt(src, dst string, readonly bool, fixed func()) error {
 	e, err := p.openSnapshotEnds(src, dst)
 	if err != nil {
 		return err
@@ -109,6 +109,7 @@ func (p *Pool) pend(dst string) chan struct{} {
 	}
 	done := make(chan struct{})
 	p.pending[dst] = done
+	p.npending.Store(int32(len(p.pending)))
 	return done
 }
 
@@ -117,6 +118,7 @@ func (p *Pool) unpend(dst string, done chan struct{}) {
 	if p.pending[dst] == done {
 		delete(p.pending, dst)
 	}
+	p.npending.Store(int32(len(p.pending)))
 	p.pendingMu.Unlock()
 	close(done)
 }
@@ -124,11 +126,10 @@ func (p *Pool) unpend(dst string, done chan struct{}) {
 // await waits until no volume being published is one of names, or below or above one
 // of them ("" is the whole pool).
 func (p *Pool) await(names ...string) {
-	p.pendingMu.Lock()
-	if len(p.pending) == 0 {
-		p.pendingMu.Unlock()
+	if p.npending.Load() == 0 {
 		return
 	}
+	p.pendingMu.Lock()
 	var wait []chan struct{}
 	for dst, done := range p.pending {
 		for _, n := range names {
