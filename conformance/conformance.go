@@ -68,6 +68,7 @@ func Run(t *testing.T, h Harness) {
 		{"LateChild", testLateChild},
 		{"ManyRollbacks", testManyRollbacks},
 		{"ResidentPaths", testResidentPaths},
+		{"PidHeld", testPidHeld},
 		{"CrashMidRollback", testCrashRollback},
 		{"ZygotesSealed", testZygotesSealed},
 		{"Rewind", testRewind},

@@ -2,6 +2,8 @@ package conformance
 
 import (
 	"context"
+	"fmt"
+	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -354,4 +356,73 @@ func testRewind(t *testing.T, h Harness) {
 	ask(t, h, id, p, `a[:] = b"q" * len(a)`)
 	want(t, "path of a rollback with 16 MiB written", rollbackPath(t, h, id, ck3), "refused")
 	want(t, "state after it", ask(t, h, id, p, state), at2)
+}
+
+// testPidHeld rolls back to a resident checkpoint while one of its processes' PIDs is
+// held for a moment by a process outside the sandbox's tree (as a CRIU running in the
+// sandbox's pid namespace holds one): the rollback must wait for it rather than fork a
+// copy under another PID, which, killed while init is frozen, would hold that PID in
+// turn, the next process's. The checkpoint's two processes have adjacent PIDs.
+func testPidHeld(t *testing.T, h Harness) {
+	if !h.Resident {
+		t.Skip("no resident checkpoints")
+	}
+	ctx := context.Background()
+	id := sandbox(t, h)
+	sb, err := h.Engine.Get(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// inNS runs a shell in the sandbox's pid namespace (and the host's other
+	// namespaces), where ns_last_pid can be written.
+	inNS := func(script string) *exec.Cmd {
+		return exec.Command("nsenter", "--target", strconv.Itoa(sb.Init.Pid), "--pid", "--", "bash", "-c", script)
+	}
+	setNext := func(pid int) {
+		t.Helper()
+		if out, err := inNS(fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid", pid-1)).CombinedOutput(); err != nil {
+			t.Fatalf("set the sandbox's next PID: %v: %s", err, out)
+		}
+	}
+	// Init's runtime may start a thread between the two execs, taking a PID: try a few
+	// bases until the two sleeps are neighbours.
+	base := 0
+	for try := 0; try < 5 && base == 0; try++ {
+		b := 5000 + 1000*try
+		setNext(b)
+		spawn(t, h, id, "sleep", "1000")
+		spawn(t, h, id, "sleep", "1000")
+		if got := sh(t, h, id, "pgrep -x sleep | sort -n | tr '\\n' ' '"); got == fmt.Sprintf("%d %d ", b, b+1) {
+			base = b
+		} else {
+			sh(t, h, id, "pkill -x sleep; while pgrep -x sleep >/dev/null; do sleep 0.01; done")
+		}
+	}
+	if base == 0 {
+		t.Fatal("could not start two processes with neighbouring PIDs in 5 tries")
+	}
+	ck := checkpoint(t, h, id, "neighbours")
+	wantResident(t, h, ck)
+	// By PID: the zygotes, copies of the sleeps, are sleeps of the namespace too.
+	sh(t, h, id, fmt.Sprintf("kill %d %d; while kill -0 %d || kill -0 %d; do sleep 0.01; done 2>/dev/null", base, base+1, base, base+1))
+	// The holder takes the first sleep's PID for 300 ms; its parent, outside the
+	// sandbox's cgroups, reaps it.
+	holder := inNS(fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid; sleep 0.3 & echo $!; wait", base-1))
+	out, err := holder.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.Start(); err != nil {
+		t.Fatalf("start the PID holder: %v", err)
+	}
+	defer holder.Wait()
+	line := make([]byte, 16)
+	n, _ := out.Read(line)
+	if got := strings.TrimSpace(string(line[:n])); got != strconv.Itoa(base) {
+		t.Fatalf("the holder got PID %q in the sandbox, want %d", got, base)
+	}
+	rollback(t, h, id, ck)
+	if got := sh(t, h, id, fmt.Sprintf("cat /proc/%d/comm /proc/%d/comm", base, base+1)); got != "sleep\nsleep\n" {
+		t.Fatalf("after the rollback PIDs %d and %d are %q, want two sleeps", base, base+1, got)
+	}
 }

@@ -1,6 +1,7 @@
 package zygote
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -34,6 +35,8 @@ type SpawnOptions struct {
 	// resume moves the next PID back past every PID given in the namespace (set by
 	// Spawn).
 	resume func() error
+	// proc is the /proc of the sandbox's pid namespace, "" if not found (set by Spawn).
+	proc string
 }
 
 // Spawn makes every zygote of r fork the process it copies, with that process's PID,
@@ -59,6 +62,9 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 			return err
 		}
 		report(o.Phase, "stop", t)
+		if len(zs) > 0 {
+			o.proc = nsProc(zs[0], &r.Procs[0])
+		}
 		// Each fork takes the PID it asks for, and the next PID moves at once past those
 		// of every process to fork: otherwise the next PID after the first process's
 		// would be the second's, and any process starting meanwhile in the namespace
@@ -240,7 +246,7 @@ func park(r *Record, zs []*ptrace.Tracee, o SpawnOptions) {
 // spawnOne forks the process of p from its zygote, with its PID, session and registers;
 // fixup does the rest. It returns the new process's host PID as soon as it exists.
 func spawnOne(z *ptrace.Tracee, p *Proc, o SpawnOptions) (int, error) {
-	c, err := forkAs(z, p.NSPid, o)
+	c, err := forkAs(z, p, o)
 	if err != nil {
 		return 0, err
 	}
@@ -262,16 +268,31 @@ func spawnOne(z *ptrace.Tracee, p *Proc, o SpawnOptions) (int, error) {
 	return c.Pid, nil
 }
 
-// pidTries bounds how long forkAs waits for a PID taken by another process.
-const pidTries = 40
+// pidWait bounds how long forkAs waits for a PID taken by another process; pidPoll is
+// how often it looks.
+const (
+	pidWait = time.Second
+	pidPoll = 200 * time.Microsecond
+)
 
-// forkAs makes z fork a child with PID nsPid in its namespace. Between setting the next
-// PID and the fork, another process of the namespace that forks takes it: not init
-// (frozen) nor the zygotes (frozen), but CRIU may, dumping a zygote from inside the
-// sandbox in the background, for the few milliseconds it runs. A child born with
-// another PID is killed and the fork tried again, a little later each time.
-func forkAs(z *ptrace.Tracee, nsPid int, o SpawnOptions) (*ptrace.Tracee, error) {
-	for try := 1; ; try++ {
+// forkAs makes z fork a child with PID nsPid in its namespace. The PID may be taken for
+// a moment by a process outside the sandbox's tree (a CRIU dumping a zygote from inside
+// the sandbox in the background, an operator's nsenter): forkAs waits until it is free
+// before it forks, as a child born with another PID could not be reaped while init is
+// frozen, and would hold that PID, maybe the next process's, until the spawn ends.
+// Between the look and the fork, another process of the namespace that forks may still
+// take it (init and the zygotes are frozen; the holders above may): such a child is
+// killed and the fork tried again.
+func forkAs(z *ptrace.Tracee, p *Proc, o SpawnOptions) (*ptrace.Tracee, error) {
+	nsPid := p.NSPid
+	deadline := time.Now().Add(pidWait)
+	for {
+		for pidHeld(o.proc, nsPid) {
+			if time.Now().After(deadline) {
+				return nil, fmt.Errorf("PID %d is taken (%s)", nsPid, holderOf(z.Pid, nsPid))
+			}
+			time.Sleep(pidPoll)
+		}
 		// A crash window: a crash between the two settings of the next PID would leave
 		// it at nsPid, for the next thread of init to take.
 		var c *ptrace.Tracee
@@ -298,11 +319,49 @@ func forkAs(z *ptrace.Tracee, nsPid int, o SpawnOptions) (*ptrace.Tracee, error)
 		if err != nil {
 			return nil, err
 		}
-		if try == pidTries {
+		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("the new process got PID %d, not %d: the PID is taken (%s)", got, nsPid, holderOf(z.Pid, nsPid))
 		}
-		time.Sleep(time.Duration(try) * time.Millisecond)
 	}
+}
+
+// nsProc returns the /proc of the sandbox's pid namespace, as its root (seen through
+// the zygote z's) holds it: its entry of z must be z (the same start time), else "".
+func nsProc(z *ptrace.Tracee, p *Proc) string {
+	dir := procDir(z.Pid) + "/root/proc"
+	in, err := os.ReadFile(fmt.Sprintf("%s/%d/stat", dir, p.ZygoteNSPid))
+	if err != nil {
+		return ""
+	}
+	out, err := os.ReadFile(procDir(z.Pid) + "/stat")
+	if err != nil || startTime(in) == "" || startTime(in) != startTime(out) {
+		return ""
+	}
+	return dir
+}
+
+// startTime is field 22 of a /proc/<pid>/stat.
+func startTime(stat []byte) string {
+	i := bytes.LastIndexByte(stat, ')')
+	if i < 0 {
+		return ""
+	}
+	f := strings.Fields(string(stat[i+1:]))
+	if len(f) < 20 {
+		return ""
+	}
+	return f[19]
+}
+
+// pidHeld says whether a task holds nsPid in the sandbox's pid namespace, whose /proc
+// is proc (a zombie holds its PID too). Without that view (proc "") it says no, and
+// forkAs learns of a held PID from the fork.
+func pidHeld(proc string, nsPid int) bool {
+	if proc == "" {
+		return false
+	}
+	_, err := os.Lstat(proc + "/" + strconv.Itoa(nsPid))
+	return err == nil
 }
 
 // fixup puts back in the new process c what its zygote z shares with the processes
@@ -581,7 +640,7 @@ func holderOf(pid, nsPid int) string {
 			if tid != tgid {
 				what = fmt.Sprintf("thread of process %d", tgid)
 			}
-			return fmt.Sprintf("held by %s %d (%s), freezer cgroup %s", what, tid, strings.TrimSpace(string(comm)), freezer.Of(tid))
+			return fmt.Sprintf("held by %s %d (%s), state %s, parent %d, freezer cgroup %s", what, tid, strings.TrimSpace(string(comm)), ptrace.ProcState(tid), st.ppid, freezer.Of(tid))
 		}
 	}
 	return "holder not found: it has exited since"
