@@ -579,10 +579,8 @@ type plannedRevert struct {
 // filesystem of its own and the root still holds it as the sandbox runs (Unchanged,
 // asked again once it is quiet: when the root has changed already, which a rollback
 // after work since the last checkpoint finds, nothing is done beyond that question).
-// A head whose snapshot is still being made (a split snapshot: a rollback right after
-// its checkpoint) is not asked about: the pool would wait for the snapshot, and the
-// root has had no time to change; the plan waits for it beside the rollback instead,
-// and the question once the sandbox is quiet decides.
+// A head whose split snapshot is still committing (a rollback right after its
+// checkpoint) is read by the pool from its fixed tree, without waiting for the commit.
 func (e *Engine) planRevert(ctx context.Context, sb *model.Sandbox, ck *model.Checkpoint) *revertPlan {
 	pr, ok := e.pool.(storage.PlannedReverter)
 	if !ok || sb.Head == "" {
@@ -592,10 +590,8 @@ func (e *Engine) planRevert(ctx context.Context, sb *model.Sandbox, ck *model.Ch
 	if err != nil || head.FSVolume == "" {
 		return nil
 	}
-	if sp, ok := e.pool.(storage.SplitSnapshotter); !ok || !sp.Publishing(head.FSVolume) {
-		if ok, err := pr.Unchanged(sb.Root, head.FSVolume); err != nil || !ok {
-			return nil
-		}
+	if ok, err := pr.Unchanged(sb.Root, head.FSVolume); err != nil || !ok {
+		return nil
 	}
 	p := &revertPlan{pr: pr, root: sb.Root, head: head.FSVolume, plan: make(chan plannedRevert, 1), logf: e.cfg.Logf}
 	if head.FSVolume == ck.FSVolume {

@@ -50,13 +50,12 @@ type LazySnapshotter interface {
 // done: SnapshotSplit returns once nothing written to src from then on can reach dst
 // (the caller may let src's writers go), and published, which must be called, returns
 // once dst exists, or why it does not. Until then the pool's own operations on dst wait
-// for it; other processes see no dst. A checkpoint lets its sandbox run again, and
-// returns, without waiting for the snapshot's commit to reach the disk. Callers find it
-// by type assertion.
+// for it, but for those that can read its fixed content without its name
+// (PlannedReverter's Unchanged and PlanRevert from it); other processes see no dst. A
+// checkpoint lets its sandbox run again, and returns, without waiting for the
+// snapshot's commit to reach the disk. Callers find it by type assertion.
 type SplitSnapshotter interface {
 	SnapshotSplit(ctx context.Context, src, dst string, readonly bool) (published func() error, err error)
-	// Publishing reports whether the volume name is a split snapshot not yet published.
-	Publishing(name string) bool
 }
 
 // Reverter is implemented by pools that can bring a writable volume back to the content

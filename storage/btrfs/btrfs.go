@@ -123,7 +123,7 @@ type Pool struct {
 	// pending are the volumes SnapshotSplit is publishing, each with the channel closed
 	// once it is; the pool's operations on them wait (await).
 	pendingMu sync.Mutex
-	pending   map[string]chan struct{}
+	pending   map[string]*publishing
 	npending  atomic.Int32 // len(pending): every operation checks it, without the lock
 }
 

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -51,14 +53,19 @@ func (p *Pool) SnapshotSplit(ctx context.Context, src, dst string, readonly bool
 		return nil, err
 	}
 	p.await(src, dst)
-	done := p.pend(dst)
+	pub := p.pend(dst)
 	fixed := make(chan struct{})
 	var fixOnce sync.Once
 	result := make(chan error, 1)
 	// The goroutine outlives the call (the ioctl cannot be cancelled).
 	go func() {
-		err := p.snapshotAt(src, dst, readonly, func() { fixOnce.Do(func() { close(fixed) }) })
-		p.unpend(dst, done)
+		err := p.snapshotAt(src, dst, readonly, func(id uint64) {
+			fixOnce.Do(func() {
+				pub.id.Store(id)
+				close(fixed)
+			})
+		})
+		p.unpend(dst, pub)
 		result <- err
 	}()
 	t := time.Now()
@@ -74,17 +81,28 @@ func (p *Pool) SnapshotSplit(ctx context.Context, src, dst string, readonly bool
 	}
 }
 
-// Publishing implements storage.SplitSnapshotter.
-func (p *Pool) Publishing(name string) bool {
+// fixedTree returns the tree ID of name while SnapshotSplit is publishing it and its
+// content is fixed (its root item and reference are in the root tree, where tree
+// searches find them; its name resolves only once the ioctl returns). ok is false
+// otherwise: the name is not being published (open it), or its ID is not known.
+func (p *Pool) fixedTree(name string) (id uint64, ok bool) {
+	if p.npending.Load() == 0 {
+		return 0, false
+	}
 	p.pendingMu.Lock()
-	defer p.pendingMu.Unlock()
-	_, ok := p.pending[name]
-	return ok
+	pub := p.pending[name]
+	p.pendingMu.Unlock()
+	if pub == nil {
+		return 0, false
+	}
+	id = pub.id.Load()
+	return id, id != 0
 }
 
 // snapshotAt makes dst a snapshot of src by one ioctl in dst's parent directory (made
-// if missing), calling fixed once its content is fixed and at the latest on success.
-func (p *Pool) snapshotAt(src, dst string, readonly bool, fixed func()) error {
+// if missing), calling fixed once its content is fixed, with its tree ID when the watch
+// found it (0 if not: at the latest on success).
+func (p *Pool) snapshotAt(src, dst string, readonly bool, fixed func(id uint64)) error {
 	e, err := p.openSnapshotEnds(src, dst)
 	if err != nil {
 		return err
@@ -96,31 +114,38 @@ func (p *Pool) snapshotAt(src, dst string, readonly bool, fixed func()) error {
 	if err != nil {
 		return p.opError("snapshot "+src+" to", dst, err)
 	}
-	fixed()
+	fixed(0)
 	return nil
 }
 
-// pend records dst as being published; its channel is closed once it is.
-func (p *Pool) pend(dst string) chan struct{} {
+// publishing is a volume SnapshotSplit is publishing: done is closed once it is, and
+// id is its tree ID once its content is fixed (0 before).
+type publishing struct {
+	done chan struct{}
+	id   atomic.Uint64
+}
+
+// pend records dst as being published.
+func (p *Pool) pend(dst string) *publishing {
 	p.pendingMu.Lock()
 	defer p.pendingMu.Unlock()
 	if p.pending == nil {
-		p.pending = map[string]chan struct{}{}
+		p.pending = map[string]*publishing{}
 	}
-	done := make(chan struct{})
-	p.pending[dst] = done
+	pub := &publishing{done: make(chan struct{})}
+	p.pending[dst] = pub
 	p.npending.Store(int32(len(p.pending)))
-	return done
+	return pub
 }
 
-func (p *Pool) unpend(dst string, done chan struct{}) {
+func (p *Pool) unpend(dst string, pub *publishing) {
 	p.pendingMu.Lock()
-	if p.pending[dst] == done {
+	if p.pending[dst] == pub {
 		delete(p.pending, dst)
 	}
 	p.npending.Store(int32(len(p.pending)))
 	p.pendingMu.Unlock()
-	close(done)
+	close(pub.done)
 }
 
 // await waits until no volume being published is one of names, or below or above one
@@ -131,10 +156,10 @@ func (p *Pool) await(names ...string) {
 	}
 	p.pendingMu.Lock()
 	var wait []chan struct{}
-	for dst, done := range p.pending {
+	for dst, pub := range p.pending {
 		for _, n := range names {
 			if n == "" || n == dst || strings.HasPrefix(dst, n+"/") || strings.HasPrefix(n, dst+"/") {
-				wait = append(wait, done)
+				wait = append(wait, pub.done)
 				break
 			}
 		}
@@ -166,7 +191,7 @@ const (
 // in the directory dirfd, has its root reference in the root tree; stop ends the watch
 // and waits for it. Without what it needs (the directory's tree, the filesystem's
 // generation) it watches nothing, and fixed is left to the caller.
-func watchFixed(dirfd int, name string, fixed func()) (stop func()) {
+func watchFixed(dirfd int, name string, fixed func(id uint64)) (stop func()) {
 	info, err := subvolInfo(dirfd)
 	if err != nil {
 		return func() {}
@@ -195,21 +220,23 @@ func watchFixed(dirfd int, name string, fixed func()) (stop func()) {
 		tick := time.NewTicker(pollFixed)
 		defer tick.Stop()
 		for {
-			found := false
+			var found uint64 // the snapshot's tree ID: the reference's key offset
 			// Leaves last written before the snapshot's transaction cannot hold its
 			// reference: the search skips them.
 			err := s.search(lo, hi, gen, func(k searchKey, d []byte) error {
 				if len(d) >= rootRefLen {
 					n := int(binary.LittleEndian.Uint16(d[16:]))
-					found = found || binary.LittleEndian.Uint64(d) == st.Ino && bytes.Equal(d[rootRefLen:min(len(d), rootRefLen+n)], []byte(name))
+					if binary.LittleEndian.Uint64(d) == st.Ino && bytes.Equal(d[rootRefLen:min(len(d), rootRefLen+n)], []byte(name)) {
+						found = k.offset
+					}
 				}
 				return nil
 			})
 			if err != nil {
 				return
 			}
-			if found {
-				fixed()
+			if found != 0 {
+				fixed(found)
 				return
 			}
 			select {
@@ -235,4 +262,41 @@ func generation(fd int) (uint64, error) {
 		return 0, err
 	}
 	return a.generation, nil
+}
+
+// Offsets in struct btrfs_root_item (packed; after its 160-byte inode item) of what
+// subvolInfo reports and the tree plans read; rootItemLen is its size with them all.
+const (
+	rootItemGeneration = 160
+	rootItemFlags      = 208
+	rootItemUUID       = 247
+	rootItemParentUUID = 263
+	rootItemCtransid   = 295
+	rootItemOtransid   = 303
+	rootItemLen        = 439
+)
+
+// rootItemInfo returns what subvolInfo would of the subvolume whose tree is id, read
+// from its root item in the root tree by a search on fd (any file of the filesystem):
+// it needs no name, so it reads a snapshot whose ioctl is still committing.
+func rootItemInfo(fd int, id uint64) (*subvolInfoArgs, error) {
+	s := newSearcher(fd)
+	defer s.close()
+	s.treeID = 1
+	var a *subvolInfoArgs
+	err := s.search(searchKey{id, keyRootItem, 0}, searchKey{id, keyRootItem, ^uint64(0)}, 0, func(k searchKey, d []byte) error {
+		if len(d) < rootItemLen {
+			return fmt.Errorf("root item of tree %d: %d bytes, want %d", id, len(d), rootItemLen)
+		}
+		le := binary.LittleEndian
+		a = &subvolInfoArgs{treeID: id, generation: le.Uint64(d[rootItemGeneration:]), flags: le.Uint64(d[rootItemFlags:]),
+			ctransid: le.Uint64(d[rootItemCtransid:]), otransid: le.Uint64(d[rootItemOtransid:])}
+		copy(a.uuid[:], d[rootItemUUID:])
+		copy(a.parentUUID[:], d[rootItemParentUUID:])
+		return nil
+	})
+	if err == nil && a == nil {
+		err = fmt.Errorf("tree %d has no root item", id)
+	}
+	return a, err
 }

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/storage"
 )
 
 // TestSnapshotSplit checks the premise of SnapshotSplit (fixed.go): once it returns, no
@@ -55,6 +57,13 @@ func TestSnapshotSplit(t *testing.T) {
 		if _, err := os.Lstat(filepath.Join(p.Root(), dst)); err != nil {
 			early++ // returned before the snapshot's ioctl did
 		}
+		// A plan from the snapshot while it is being published reads its fixed tree by
+		// its ID, and must be the plan made once it is published.
+		var during storage.RevertPlan
+		if k > 0 {
+			during, err = p.PlanRevert(ctx, dst, fmt.Sprintf("split/s%d", k-1))
+			must(t, err)
+		}
 		change(2*k + 1)
 		if k%2 == 0 && !p.Exists(dst) { // the pool's own operations wait for it
 			t.Fatalf("round %d: Exists(%s) false while the snapshot was being published", k, dst)
@@ -62,6 +71,13 @@ func TestSnapshotSplit(t *testing.T) {
 		must(t, published())
 		if got := treeOf(t, p.Path(dst)); got != want {
 			t.Fatalf("round %d: the snapshot holds writes made after SnapshotSplit returned:\n got %.400s\nwant %.400s", k, got, want)
+		}
+		if during != nil {
+			after, err := p.PlanRevert(ctx, dst, fmt.Sprintf("split/s%d", k-1))
+			must(t, err)
+			if during.Len() != after.Len() {
+				t.Fatalf("round %d: the plan from the snapshot being published has %d commands, %d once published", k, during.Len(), after.Len())
+			}
 		}
 	}
 	// Not a timing bound: the snapshot is fixed ~1 ms into a ~5 ms ioctl here, and the
@@ -104,4 +120,31 @@ func treeOf(t *testing.T, dir string) string {
 		return nil
 	}))
 	return b.String()
+}
+
+// TestRootItemInfo reads a snapshot's root item by its tree ID and finds what the
+// kernel's GET_SUBVOL_INFO says of it: the offsets of rootItemInfo are right.
+func TestRootItemInfo(t *testing.T) {
+	p := newPool(t)
+	ctx := context.Background()
+	must(t, p.Create(ctx, "info/live"))
+	writeFile(t, p.Path("info/live")+"/f", "x")
+	must(t, p.Snapshot(ctx, "info/live", "info/snap", true))
+	fd, err := openVolume(p.rootfd, "info/snap")
+	must(t, err)
+	defer unix.Close(fd)
+	want, err := subvolInfo(fd)
+	must(t, err)
+	got, err := rootItemInfo(p.rootfd, want.treeID)
+	must(t, err)
+	if got.generation != want.generation || got.flags != want.flags || got.uuid != want.uuid || got.parentUUID != want.parentUUID ||
+		got.ctransid != want.ctransid || got.otransid != want.otransid {
+		t.Fatalf("root item of tree %d: %+v; GET_SUBVOL_INFO: %+v", want.treeID, got, want)
+	}
+	if got.flags&rootSubvolRdonly == 0 || got.uuid == [16]byte{} || got.parentUUID == [16]byte{} {
+		t.Fatalf("root item of a read-only snapshot: flags %#x, uuid %x, parent %x", got.flags, got.uuid, got.parentUUID)
+	}
+	if _, err := rootItemInfo(p.rootfd, 1<<40); err == nil {
+		t.Fatal("rootItemInfo of a tree that does not exist succeeded")
+	}
 }

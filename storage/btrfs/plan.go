@@ -50,26 +50,38 @@ func (p *Pool) Unchanged(live, base string) (bool, error) {
 			return false, err
 		}
 	}
-	p.await(live, base)
+	// A base whose snapshot ioctl is still committing (SplitSnapshotter) is read by its
+	// tree ID: its content is fixed, and the ioctl's tail need not be waited for.
+	baseID, fixed := p.fixedTree(base)
+	if fixed {
+		p.await(live)
+	} else {
+		p.await(live, base)
+	}
 	rootfd, err := p.acquire()
 	if err != nil {
 		return false, err
 	}
 	defer p.mu.RUnlock()
-	basefd, err := openVolume(rootfd, base)
-	if err != nil {
-		return false, p.opError("unchanged: open", base, err)
+	var bi *subvolInfoArgs
+	if fixed {
+		bi, err = rootItemInfo(rootfd, baseID)
+	} else {
+		var basefd int
+		if basefd, err = openVolume(rootfd, base); err != nil {
+			return false, p.opError("unchanged: open", base, err)
+		}
+		bi, err = subvolInfo(basefd)
+		unix.Close(basefd)
 	}
-	defer unix.Close(basefd)
+	if err != nil {
+		return false, p.opError("unchanged: inspect", base, err)
+	}
 	livefd, err := openVolume(rootfd, live)
 	if err != nil {
 		return false, p.opError("unchanged: open", live, err)
 	}
 	defer unix.Close(livefd)
-	bi, err := subvolInfo(basefd)
-	if err != nil {
-		return false, p.opError("unchanged: inspect", base, err)
-	}
 	if bi.flags&rootSubvolRdonly == 0 {
 		return false, nil
 	}
@@ -145,6 +157,13 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 			return nil, err
 		}
 	}
+	if id, ok := p.fixedTree(base); ok && !p.sendOnly {
+		if pl, err := p.planFromFixed(ctx, base, id, snapshot); err == nil || ctx.Err() != nil {
+			return pl, err
+		}
+		// Whatever stopped it (no tree plan between the two, say), the plan is made
+		// the usual way once base is published.
+	}
 	p.await(base, snapshot)
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -175,6 +194,49 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 	if err != nil {
 		return nil, err
 	}
+	pl.sendMS = msSince(t)
+	return pl, nil
+}
+
+// planFromFixed is PlanRevert from base while SnapshotSplit publishes it, its content
+// fixed, its tree baseID: a tree plan, reading base's tree by its ID (its name resolves
+// only once the ioctl has returned). The send ioctl is not used: it reads its parent's
+// committed tree, which a snapshot has only once its transaction has committed.
+func (p *Pool) planFromFixed(ctx context.Context, base string, baseID uint64, snapshot string) (storage.RevertPlan, error) {
+	p.await(snapshot)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	rootfd, err := p.acquire()
+	if err != nil {
+		return nil, err
+	}
+	defer p.mu.RUnlock()
+	snapfd, snapFlags, snapID, err := p.openRevertVolume(rootfd, snapshot, "plan a revert to")
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(snapfd)
+	switch {
+	case snapFlags&btrfsSubvolRdonly == 0:
+		return nil, errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)
+	case baseID == snapID:
+		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
+	}
+	t := time.Now()
+	var infos [3]*subvolInfoArgs
+	if infos[0], err = rootItemInfo(rootfd, baseID); err != nil {
+		return nil, p.opError("plan a revert from", base, err)
+	}
+	if infos[1], err = subvolInfo(snapfd); err != nil {
+		return nil, p.opError("plan a revert to", snapshot, err)
+	}
+	pl := &plan{base: base, snapshot: snapshot}
+	var compared int
+	if pl.cmds, compared, err = p.treeDiffOf(ctx, treeRef{fd: rootfd, id: baseID}, infos, snapfd); err != nil {
+		return nil, err
+	}
+	pl.how = storage.RevertStats{Diff: "tree", Compared: compared}
 	pl.sendMS = msSince(t)
 	return pl, nil
 }

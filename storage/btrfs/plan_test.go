@@ -7,6 +7,7 @@ import (
 	"os"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -169,17 +170,47 @@ func TestUnchangedCases(t *testing.T) {
 func TestRevertPlanned(t *testing.T) {
 	requireRoot(t)
 	p := openTest(t, testConfig(t, 2<<30))
-	for _, how := range diffWays {
+	for _, how := range append(diffWays, "fixed") {
 		t.Run(how, func(t *testing.T) { testRevertPlanned(t, p, how) })
 	}
 }
 
+// asPublishing runs f while head is recorded as a split snapshot being published, its
+// content fixed (as SnapshotSplit records it from its return until its ioctl ends): the
+// pool must then read head by its tree ID. Its other operations on head would wait for
+// the publication, which f's end alone brings: a wait fails the test after a minute.
+func asPublishing(t *testing.T, p *Pool, head string, f func()) {
+	t.Helper()
+	fd, err := openVolume(p.rootfd, head)
+	must(t, err)
+	id, err := rootID(fd)
+	unix.Close(fd)
+	must(t, err)
+	pub := p.pend(head)
+	pub.id.Store(id)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f()
+	}()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatalf("the pool waited for the publication of %s instead of reading its tree %d", head, id)
+	}
+	p.unpend(head, pub)
+}
+
 func testRevertPlanned(t *testing.T, p *Pool, how string) {
 	ctx := context.Background()
+	fixed, prefix := how == "fixed", how // a tree plan from a head being published
+	if fixed {
+		how = "tree"
+	}
 	checkDiff := useDiff(t, p, how)
 	for i, tc := range revertCases {
 		t.Run(tc.name, func(t *testing.T) {
-			live, target, head := fmt.Sprintf("%s%d/live", how, i), fmt.Sprintf("%s%d/target", how, i), fmt.Sprintf("%s%d/head", how, i)
+			live, target, head := fmt.Sprintf("%s%d/live", prefix, i), fmt.Sprintf("%s%d/target", prefix, i), fmt.Sprintf("%s%d/head", prefix, i)
 			must(t, p.Create(ctx, live))
 			base(t, p.Path(live))
 			if tc.setup != nil {
@@ -188,14 +219,24 @@ func testRevertPlanned(t *testing.T, p *Pool, how string) {
 			must(t, p.Snapshot(ctx, live, target, true))
 			tc.mutate(t, p.Path(live))
 			must(t, p.Snapshot(ctx, live, head, true))
-			if ok, err := p.Unchanged(live, head); err != nil || !ok {
-				t.Fatalf("Unchanged(live, head) = %v, %v; want true", ok, err)
+			var ok bool
+			var pl storage.RevertPlan
+			var err error
+			plan := func() {
+				if ok, err = p.Unchanged(live, head); err != nil || !ok {
+					return
+				}
+				pl, err = p.PlanRevert(ctx, head, target)
+			}
+			if fixed {
+				asPublishing(t, p, head, plan)
+			} else {
+				plan()
+			}
+			if err != nil || !ok {
+				t.Fatalf("Unchanged(live, head) = %v, then PlanRevert: %v; want true, then a plan", ok, err)
 			}
 			before := inodes(t, p.Path(live))
-			pl, err := p.PlanRevert(ctx, head, target)
-			if err != nil {
-				t.Fatalf("PlanRevert: %v", err)
-			}
 			st, err := p.RevertPlanned(ctx, live, pl)
 			if err != nil {
 				t.Fatalf("RevertPlanned: %v", err)

@@ -262,6 +262,12 @@ func (p *Pool) treeDiff(ctx context.Context, basefd, snapfd, livefd int) ([]*sen
 			return nil, 0, err
 		}
 	}
+	return p.treeDiffOf(ctx, treeRef{fd: basefd}, infos, snapfd)
+}
+
+// treeDiffOf is treeDiff given the volumes' information (base, snapshot, live: nil if
+// none) and base's tree.
+func (p *Pool) treeDiffOf(ctx context.Context, base treeRef, infos [3]*subvolInfoArgs, snapfd int) ([]*sendCommand, int, error) {
 	g, baseNewer, ok := treeLineage(infos[0], infos[1], infos[2])
 	if !ok {
 		return nil, 0, fmt.Errorf("%w: the volumes are not two read-only snapshots of one volume", errNoTreePlan)
@@ -270,7 +276,7 @@ func (p *Pool) treeDiff(ctx context.Context, basefd, snapfd, livefd int) ([]*sen
 	if !baseNewer {
 		newer = infos[1]
 	}
-	return planTree(ctx, basefd, snapfd, g, baseNewer, p.lineages.get(newer.parentUUID), newer.otransid)
+	return planTree(ctx, base, snapfd, g, baseNewer, p.lineages.get(newer.parentUUID), newer.otransid)
 }
 
 // send returns the no-data send stream of the read-only volume snapfd with the volume

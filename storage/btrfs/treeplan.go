@@ -232,14 +232,23 @@ type treePlan struct {
 	taken   map[string]bool     // orphan names used
 }
 
-// planTree returns the commands that turn the read-only volume basefd into snapfd,
+// treeRef names a volume's tree for searches: the volume fd is in (id 0), or the tree
+// id on any fd of the filesystem.
+type treeRef struct {
+	fd int
+	id uint64
+}
+
+// planTree returns the commands that turn the read-only volume base into snapfd,
 // given g and which side is newer (treeLineage), and how many inodes it read from both.
 // The first command is a SNAPSHOT header, as in a send stream. lin is the memory of the
 // volume both are snapshots of (lineage.go), and o the transaction the newer of the two
 // was taken in.
-func planTree(ctx context.Context, basefd, snapfd int, g uint64, baseNewer bool, lin *lineage, o uint64) ([]*sendCommand, int, error) {
+func planTree(ctx context.Context, base treeRef, snapfd int, g uint64, baseNewer bool, lin *lineage, o uint64) ([]*sendCommand, int, error) {
+	h := newTreeSide(base.fd)
+	h.s.treeID = base.id
 	p := &treePlan{
-		ctx: ctx, h: newTreeSide(basefd), t: newTreeSide(snapfd),
+		ctx: ctx, h: h, t: newTreeSide(snapfd),
 		pairs: map[uint64]*inodePair{}, moved: map[uint64]inodeRef{}, anchor: map[uint64]inodeRef{},
 		orphan: map[uint64]bool{}, created: map[uint64]bool{}, taken: map[string]bool{},
 		cmds: []*sendCommand{{cmd: sendCmdSnapshot}},
