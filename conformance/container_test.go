@@ -77,11 +77,11 @@ func TestContainerNoRewind(t *testing.T) {
 	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.NoRewinds = true }))
 }
 
-// TestContainerSplit runs the suite with split snapshots: a checkpoint's processes run
-// again, and its call returns, once its filesystem's snapshot is fixed, which is made
-// under its final name and committed behind the call (storage.SplitSnapshotter).
-func TestContainerSplit(t *testing.T) {
-	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.SplitSnapshots = true }))
+// TestContainerNoSplit runs the suite without split snapshots: a checkpoint's
+// processes wait, and its call returns, until its filesystem's snapshot is committed,
+// not only fixed (storage.SplitSnapshotter).
+func TestContainerNoSplit(t *testing.T) {
+	Run(t, harnessWith(t, "container", func(c *engine.Config) { c.NoSplitSnapshots = true }))
 }
 
 // TestContainerNoStandby runs the suite with every fast path disabled: every checkpoint

@@ -101,7 +101,7 @@ func (e *Engine) Checkpoint(ctx context.Context, id string, opts CheckpointOptio
 	// directory (a read-only subvolume cannot be renamed itself, its directory can) and
 	// renamed into place.
 	sp, split := e.pool.(storage.SplitSnapshotter)
-	split = split && e.cfg.SplitSnapshots
+	split = split && !e.cfg.NoSplitSnapshots
 	staged := filepath.Join(stagingDir, id+"-"+ck.ID)
 	fsAt := filepath.Join(staged, "fs")
 	if split {

@@ -89,12 +89,11 @@ type Config struct {
 	// the kernel's send rather than from the volumes' changed items (a tree plan:
 	// storage/btrfs/treeplan.go); the environment's CAIRN_TREE_PLANS=0 does too.
 	NoTreePlans bool
-	// SplitSnapshots lets a checkpoint's processes run again, and its call return, once
-	// its filesystem's snapshot is fixed rather than committed (storage.SplitSnapshotter,
-	// storage/btrfs/fixed.go); the environment's CAIRN_SPLIT_SNAPSHOTS=1 does too. Off
-	// by default: on W1 it saved ~1 ms a checkpoint and cost ~3 ms the rollback that
-	// follows one at once, which waits for the commit's tail (docs/performance.md).
-	SplitSnapshots bool
+	// NoSplitSnapshots makes a checkpoint's processes wait, and its call return, until
+	// its filesystem's snapshot is committed, not only fixed (split snapshots:
+	// storage.SplitSnapshotter, storage/btrfs/fixed.go); the environment's
+	// CAIRN_SPLIT_SNAPSHOTS=0 does too.
+	NoSplitSnapshots bool
 	// Logf reports problems of background work (default: discarded).
 	Logf func(format string, args ...any)
 }
@@ -191,7 +190,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}
-	cfg.SplitSnapshots = cfg.SplitSnapshots || os.Getenv("CAIRN_SPLIT_SNAPSHOTS") == "1"
+	cfg.NoSplitSnapshots = cfg.NoSplitSnapshots || os.Getenv("CAIRN_SPLIT_SNAPSHOTS") == "0"
 	for _, d := range []string{cfg.DataDir, filepath.Join(cfg.DataDir, "locks")} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("data directory: %w", err)

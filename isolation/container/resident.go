@@ -319,6 +319,14 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	// goes on while init is frozen and the zygotes fork (a fork copies memory and
 	// descriptors, not files; the fixups after it need the checkpoint's files).
 	waitRevert := startRevert(ctx, sb, hooks, asQuiesced)
+	// Their PIDs must be free before init is frozen: a zombie child of init holding one
+	// is reaped only while init runs. A PID still taken is the spawn's to wait for, or
+	// to fail on.
+	t = time.Now()
+	if err := rec.WaitPids(pidsWait); err != nil && b.Logf != nil {
+		b.Logf("rollback of sandbox %s: %v", sb.ID, err)
+	}
+	phase.Since(ctx, "pids_free", t)
 	// Init is frozen while the processes are forked: its Go runtime starts threads
 	// whenever it likes, and each takes the next PID of the namespace.
 	t = time.Now()
@@ -376,6 +384,10 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 	defer phase.Since(ctx, "release", t)
 	return zygote.Release(pids, filepath.Join(ctrlDir("freezer", sb.CgroupName()), "cgroup.procs"))
 }
+
+// pidsWait bounds how long a rollback waits for its processes' PIDs to be free before
+// it freezes init.
+const pidsWait = 200 * time.Millisecond
 
 // rewind tries to bring sb's processes back to the checkpoint of rec in place
 // (zygote.Tracks.Rewind); the caller holds sb's CRIU. done says that it did, or failed with err. Otherwise the

@@ -159,15 +159,20 @@ func (o *CaptureOptions) frozen() (wait func() error) {
 func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
 	t := time.Now()
 	var zps []*Proc
+	var inside time.Duration // of the scan, in calls injected into the processes
 	for _, p := range procs {
-		zp, err := o.scan(p)
+		zp, in, err := o.scan(p)
 		if err != nil {
 			return err
 		}
+		inside += in
 		zps = append(zps, zp)
 		rec.Procs = append(rec.Procs, Proc{Cgroup: zp.Cgroup})
 	}
 	o.report("zygote_scan", t)
+	if o.Phase != nil {
+		o.Phase("zygote_scan_inside", inside)
+	}
 	tw := time.Now()
 	if err := rec.Write(o.RecordDir); err != nil {
 		return err
@@ -232,32 +237,33 @@ func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
 }
 
 // scan records a stopped process (what /proc shows, and what only the process can tell
-// about itself) and names its zygote's cgroup.
-func (o *CaptureOptions) scan(p *ptrace.Tracee) (*Proc, error) {
+// about itself) and names its zygote's cgroup; inside is the time the latter took.
+func (o *CaptureOptions) scan(p *ptrace.Tracee) (zp *Proc, inside time.Duration, err error) {
 	// The processes of a sandbox share its mount namespace: its mountinfo is read once.
 	ns, err := os.Readlink(procDir(p.Pid) + "/ns/mnt")
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	root, ok := o.rootMounts[ns]
 	if !ok {
 		if root, err = rootMount(p.Pid); err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		if o.rootMounts == nil {
 			o.rootMounts = map[string]int{}
 		}
 		o.rootMounts[ns] = root
 	}
-	zp, err := scan(p.Pid, root)
-	if err != nil {
-		return nil, err
+	if zp, err = scan(p.Pid, root); err != nil {
+		return nil, 0, err
 	}
+	t := time.Now()
 	if err := inherited(p, zp, o.Tracks != nil); err != nil {
-		return nil, err
+		return nil, 0, err
 	}
+	inside = time.Since(t)
 	zp.Cgroup = filepath.Join(o.CgroupDir, strconv.Itoa(zp.NSPid))
-	return zp, nil
+	return zp, inside, nil
 }
 
 // capture forks the zygote of a stopped process into a frozen cgroup of its own, and

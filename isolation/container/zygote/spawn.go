@@ -63,7 +63,7 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 		}
 		report(o.Phase, "stop", t)
 		if len(zs) > 0 {
-			o.proc = nsProc(zs[0], &r.Procs[0])
+			o.proc = nsProc(&r.Procs[0])
 		}
 		// Each fork takes the PID it asks for, and the next PID moves at once past those
 		// of every process to fork: otherwise the next PID after the first process's
@@ -288,7 +288,9 @@ func forkAs(z *ptrace.Tracee, p *Proc, o SpawnOptions) (*ptrace.Tracee, error) {
 	deadline := time.Now().Add(pidWait)
 	for {
 		for pidHeld(o.proc, nsPid) {
-			if time.Now().After(deadline) {
+			// A zombie whose parent is frozen (init, during a spawn) is not reaped
+			// before the spawn ends.
+			if time.Now().After(deadline) || zombieOfFrozen(o.proc, nsPid) {
 				return nil, fmt.Errorf("PID %d is taken (%s)", nsPid, holderOf(z.Pid, nsPid))
 			}
 			time.Sleep(pidPoll)
@@ -326,14 +328,15 @@ func forkAs(z *ptrace.Tracee, p *Proc, o SpawnOptions) (*ptrace.Tracee, error) {
 }
 
 // nsProc returns the /proc of the sandbox's pid namespace, as its root (seen through
-// the zygote z's) holds it: its entry of z must be z (the same start time), else "".
-func nsProc(z *ptrace.Tracee, p *Proc) string {
-	dir := procDir(z.Pid) + "/root/proc"
+// the zygote of p's) holds it: its entry of the zygote must be the zygote (the same
+// start time), else "".
+func nsProc(p *Proc) string {
+	dir := procDir(p.Zygote.Pid) + "/root/proc"
 	in, err := os.ReadFile(fmt.Sprintf("%s/%d/stat", dir, p.ZygoteNSPid))
 	if err != nil {
 		return ""
 	}
-	out, err := os.ReadFile(procDir(z.Pid) + "/stat")
+	out, err := os.ReadFile(procDir(p.Zygote.Pid) + "/stat")
 	if err != nil || startTime(in) == "" || startTime(in) != startTime(out) {
 		return ""
 	}
@@ -351,6 +354,63 @@ func startTime(stat []byte) string {
 		return ""
 	}
 	return f[19]
+}
+
+// WaitPids waits until the PIDs of r's processes are free in the sandbox's pid
+// namespace, at most timeout, and says which are still taken (with their holders)
+// if some are. A rollback calls it once the sandbox's processes are killed and before
+// init is frozen: a zombie child of init holding one (a process that ended as the
+// rollback began, say) is then reaped, which it would not be while init is frozen.
+func (r *Record) WaitPids(timeout time.Duration) error {
+	if len(r.Procs) == 0 {
+		return nil
+	}
+	proc := nsProc(&r.Procs[0])
+	deadline := time.Now().Add(timeout)
+	for {
+		var held []int
+		for _, p := range r.Procs {
+			if pidHeld(proc, p.NSPid) {
+				held = append(held, p.NSPid)
+			}
+		}
+		if len(held) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			var why []string
+			for _, n := range held {
+				why = append(why, fmt.Sprintf("%d %s", n, holderOf(r.Procs[0].Zygote.Pid, n)))
+			}
+			return fmt.Errorf("PIDs of the checkpoint's processes still taken: %s", strings.Join(why, "; "))
+		}
+		time.Sleep(pidPoll)
+	}
+}
+
+// zombieOfFrozen says whether nsPid is held by a zombie whose parent is frozen.
+func zombieOfFrozen(proc string, nsPid int) bool {
+	if proc == "" {
+		return false
+	}
+	b, err := os.ReadFile(fmt.Sprintf("%s/%d/stat", proc, nsPid))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	f := strings.Fields(string(b[i+1:]))
+	if i < 0 || len(f) < 2 || f[0] != "Z" {
+		return false
+	}
+	// f[1] is the parent's PID in the namespace; its freezer state is read through the
+	// same /proc.
+	st, _ := os.ReadFile(fmt.Sprintf("%s/%s/cgroup", proc, f[1]))
+	for _, l := range strings.Split(string(st), "\n") {
+		if _, rel, ok := strings.Cut(l, ":freezer:"); ok {
+			return freezer.IsFrozen(filepath.Join(freezer.Root, rel))
+		}
+	}
+	return false
 }
 
 // pidHeld says whether a task holds nsPid in the sandbox's pid namespace, whose /proc
@@ -640,8 +700,30 @@ func holderOf(pid, nsPid int) string {
 			if tid != tgid {
 				what = fmt.Sprintf("thread of process %d", tgid)
 			}
-			return fmt.Sprintf("held by %s %d (%s), state %s, parent %d, freezer cgroup %s", what, tid, strings.TrimSpace(string(comm)), ptrace.ProcState(tid), st.ppid, freezer.Of(tid))
+			pcomm, _ := os.ReadFile(procDir(st.ppid) + "/comm")
+			return fmt.Sprintf("held by %s %d (%s), state %s, %s old, parent %d (%s, freezer cgroup %s), freezer cgroup %s", what, tid, strings.TrimSpace(string(comm)),
+				ptrace.ProcState(tid), age(tid), st.ppid, strings.TrimSpace(string(pcomm)), freezer.Of(st.ppid), freezer.Of(tid))
 		}
 	}
 	return "holder not found: it has exited since"
+}
+
+// age is how long ago task pid started, from its start time in /proc/<pid>/stat (clock
+// ticks since boot, 100 a second here) and the system's uptime.
+func age(pid int) string {
+	b, err := os.ReadFile(procDir(pid) + "/stat")
+	up, uerr := os.ReadFile("/proc/uptime")
+	start, serr := strconv.ParseFloat(startTime(b), 64)
+	if err != nil || uerr != nil || serr != nil {
+		return "?"
+	}
+	f := strings.Fields(string(up))
+	if len(f) == 0 {
+		return "?"
+	}
+	now, err := strconv.ParseFloat(f[0], 64)
+	if err != nil {
+		return "?"
+	}
+	return (time.Duration((now - start/100) * float64(time.Second))).Round(10 * time.Millisecond).String()
 }
