@@ -69,6 +69,7 @@ func Run(t *testing.T, h Harness) {
 		{"ManyRollbacks", testManyRollbacks},
 		{"ResidentPaths", testResidentPaths},
 		{"PidHeld", testPidHeld},
+		{"SpawnFails", testSpawnFails},
 		{"CrashMidRollback", testCrashRollback},
 		{"ZygotesSealed", testZygotesSealed},
 		{"Rewind", testRewind},

@@ -3,6 +3,7 @@ package conformance
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -425,4 +426,54 @@ func testPidHeld(t *testing.T, h Harness) {
 	if got := sh(t, h, id, fmt.Sprintf("cat /proc/%d/comm /proc/%d/comm", base, base+1)); got != "sleep\nsleep\n" {
 		t.Fatalf("after the rollback PIDs %d and %d are %q, want two sleeps", base, base+1, got)
 	}
+}
+
+// testSpawnFails fails the spawn of a rollback to a resident checkpoint once its
+// processes are forked (CAIRN_TEST_FAIL_AT): the rollback must still succeed, from the
+// checkpoint's images restored into the sandbox's running init (the same generation),
+// and keep the sandbox's other checkpoints resident, rather than start a new init,
+// which would first make every resident checkpoint durable.
+func testSpawnFails(t *testing.T, h Harness) {
+	if !h.Resident {
+		t.Skip("no resident checkpoints")
+	}
+	ctx := context.Background()
+	id := sandbox(t, h)
+	p := spawn(t, h, id, "python3", "-i", "-u")
+	ask(t, h, id, p, "x = 1")
+	target := checkpoint(t, h, id, "x1")
+	ask(t, h, id, p, "x = 2")
+	other := checkpoint(t, h, id, "x2")
+	wantResident(t, h, target)
+	wantResident(t, h, other)
+	// A descriptor opened since makes the rollback kill and fork (no rewind in place).
+	ask(t, h, id, p, "x = 3; f = open('/etc/hostname')")
+	before, err := h.Engine.Get(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stats := h.Engine.Stats()
+	t.Setenv("CAIRN_TEST_FAIL_AT", "zygote-spawn-forked")
+	if err := h.Engine.Rollback(ctx, id, target); err != nil {
+		t.Fatalf("rollback whose spawn fails: %v", err)
+	}
+	os.Unsetenv("CAIRN_TEST_FAIL_AT")
+	h.settle()
+	want(t, "x after the rollback", ask(t, h, id, p, "print(x)"), "1")
+	after, err := h.Engine.Get(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.Init != before.Init {
+		t.Fatalf("the rollback started a new init (%+v, was %+v): it should restore the images into the running one", after.Init, before.Init)
+	}
+	if got := h.Engine.Stats().InPlaceRestores; got != stats.InPlaceRestores+1 {
+		t.Fatalf("in-place restores %d, want %d", got, stats.InPlaceRestores+1)
+	}
+	if !methodOf(t, h, other).Resident {
+		t.Fatalf("checkpoint %s lost its zygotes in the fallback", other)
+	}
+	// And the other checkpoint is still rolled back to through its zygotes.
+	rollback(t, h, id, other)
+	want(t, "x after the rollback to the other", ask(t, h, id, p, "print(x)"), "2")
 }

@@ -359,7 +359,17 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		return nil
 	}
 	t = time.Now()
-	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: forked, Phase: prefixed(ctx, "spawn_")})
+	reap := func(done func() bool) error {
+		if err := thaw(sb.CgroupName()); err != nil {
+			return err
+		}
+		for deadline := time.Now().Add(reapWait); !done() && time.Now().Before(deadline); {
+			time.Sleep(100 * time.Microsecond)
+		}
+		return freeze(sb.CgroupName())
+	}
+	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: forked,
+		Reap: reap, Logf: b.Logf, Phase: prefixed(ctx, "spawn_")})
 	if rerr := waitRevert(); err == nil {
 		err = rerr
 	}
@@ -386,8 +396,12 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 }
 
 // pidsWait bounds how long a rollback waits for its processes' PIDs to be free before
-// it freezes init.
-const pidsWait = 200 * time.Millisecond
+// it freezes init; reapWait how long init runs again, in the middle of the spawn, to
+// reap a zombie holding one.
+const (
+	pidsWait = 200 * time.Millisecond
+	reapWait = 100 * time.Millisecond
+)
 
 // rewind tries to bring sb's processes back to the checkpoint of rec in place
 // (zygote.Tracks.Rewind); the caller holds sb's CRIU. done says that it did, or failed with err. Otherwise the

@@ -28,6 +28,11 @@ type SpawnOptions struct {
 	// fixup, which needs the root as at the checkpoint: it waits for the caller's revert
 	// of the root, run meanwhile. Its error aborts the spawn.
 	Reverted func() error
+	// Reap, if set, lets the frozen init run until done says so (at most a moment), then
+	// freezes it again: a PID to fork is held by a zombie child of init, which only init
+	// can reap. Logf, if set, is told of it.
+	Reap func(done func() bool) error
+	Logf func(format string, args ...any)
 	// Phase, if set, is told how long each phase took ("stop", "fork", "reverted",
 	// "fixups", "park").
 	Phase func(name string, d time.Duration)
@@ -101,6 +106,9 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 		}
 		report(o.Phase, "fork", t)
 		crashPoint("zygote-spawn-forked")
+		if err := failPoint("zygote-spawn-forked"); err != nil {
+			return err
+		}
 		if o.Reverted != nil {
 			t = time.Now()
 			if err := o.Reverted(); err != nil {
@@ -287,10 +295,24 @@ func forkAs(z *ptrace.Tracee, p *Proc, o SpawnOptions) (*ptrace.Tracee, error) {
 	nsPid := p.NSPid
 	deadline := time.Now().Add(pidWait)
 	for {
+		reaped := false
 		for pidHeld(o.proc, nsPid) {
-			// A zombie whose parent is frozen (init, during a spawn) is not reaped
-			// before the spawn ends.
-			if time.Now().After(deadline) || zombieOfFrozen(o.proc, nsPid) {
+			// A zombie whose parent is frozen (init, during a spawn) is reaped only if
+			// init runs for a moment.
+			if zombieOfFrozen(o.proc, nsPid) {
+				if reaped || o.Reap == nil {
+					return nil, fmt.Errorf("PID %d is taken (%s)", nsPid, holderOf(z.Pid, nsPid))
+				}
+				if o.Logf != nil {
+					o.Logf("PID %d to fork is taken (%s): init runs to reap it", nsPid, holderOf(z.Pid, nsPid))
+				}
+				reaped = true
+				if err := o.Reap(func() bool { return !pidHeld(o.proc, nsPid) }); err != nil {
+					return nil, fmt.Errorf("reap the zombie holding PID %d: %w", nsPid, err)
+				}
+				continue
+			}
+			if time.Now().After(deadline) {
 				return nil, fmt.Errorf("PID %d is taken (%s)", nsPid, holderOf(z.Pid, nsPid))
 			}
 			time.Sleep(pidPoll)
@@ -669,6 +691,16 @@ func crashPoint(name string) {
 		unix.Kill(os.Getpid(), unix.SIGKILL)
 		select {}
 	}
+}
+
+// failPoint fails the operation when CAIRN_TEST_FAIL_AT names this point, so that tests
+// can prove a failure there survivable (the spawn's, after its forks: the rollback falls
+// back to the checkpoint's images).
+func failPoint(name string) error {
+	if os.Getenv("CAIRN_TEST_FAIL_AT") == name {
+		return fmt.Errorf("test failure at %s (CAIRN_TEST_FAIL_AT)", name)
+	}
+	return nil
 }
 
 // holderOf describes the task holding PID nsPid in the pid namespace of pid, for the
