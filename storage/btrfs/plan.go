@@ -180,11 +180,8 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 	defer vols.close()
 	basefd, baseFlags, baseID := vols[0].fd, vols[0].flags, vols[0].id
 	snapfd, snapFlags, snapID := vols[1].fd, vols[1].flags, vols[1].id
-	switch {
-	case baseFlags&btrfsSubvolRdonly == 0 || snapFlags&btrfsSubvolRdonly == 0:
-		return nil, errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)
-	case baseID == snapID:
-		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
+	if err := p.planPair(base, snapshot, baseFlags&snapFlags&btrfsSubvolRdonly != 0, baseID, snapID); err != nil {
+		return nil, err
 	}
 	t := time.Now()
 	pl := &plan{base: base, snapshot: snapshot}
@@ -196,6 +193,17 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 	}
 	pl.sendMS = msSince(t)
 	return pl, nil
+}
+
+// planPair checks the two volumes of a plan: both read-only (readOnly), two volumes.
+func (p *Pool) planPair(base, snapshot string, readOnly bool, baseID, snapID uint64) error {
+	switch {
+	case !readOnly:
+		return errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)
+	case baseID == snapID:
+		return errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
+	}
+	return nil
 }
 
 // planFromFixed is PlanRevert from base while SnapshotSplit publishes it, its content
@@ -217,11 +225,9 @@ func (p *Pool) planFromFixed(ctx context.Context, base string, baseID uint64, sn
 		return nil, err
 	}
 	defer unix.Close(snapfd)
-	switch {
-	case snapFlags&btrfsSubvolRdonly == 0:
-		return nil, errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)
-	case baseID == snapID:
-		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
+	// base is read-only: SnapshotSplit makes read-only snapshots only.
+	if err := p.planPair(base, snapshot, snapFlags&btrfsSubvolRdonly != 0, baseID, snapID); err != nil {
+		return nil, err
 	}
 	t := time.Now()
 	var infos [3]*subvolInfoArgs
