@@ -2,6 +2,7 @@ package ptrace
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"os"
 	"os/exec"
@@ -289,6 +290,71 @@ func TestSyscallInBlockedProcess(t *testing.T) {
 	// The interrupted read(2) restarted: the next command is answered as the second.
 	if got := c.ask(t); got[2] != "2" {
 		t.Fatalf("after injection the replica answered %v, want its second answer", got)
+	}
+}
+
+// TestBorrowStack has an injected call write into bytes lent by the tracee's stack:
+// the call's result is there, and once they are given back the stack holds what it held
+// and the tracee goes on answering.
+func TestBorrowStack(t *testing.T) {
+	requireRoot(t)
+	c := startReplica(t)
+	pid := c.cmd.Process.Pid
+	tr := NewTracer()
+	defer tr.Close()
+	tc := stop(t, tr, pid)
+	err := tr.Do(func() error {
+		rsp := tc.Regs().Rsp
+		before := make([]byte, 64)
+		if err := tc.ReadMem(rsp, before); err != nil {
+			return err
+		}
+		s, err := tc.BorrowStack(32)
+		if err != nil {
+			return err
+		}
+		if s.Addr != rsp {
+			return fmt.Errorf("borrowed %#x, want the stack pointer %#x", s.Addr, rsp)
+		}
+		// getrlimit(RLIMIT_NOFILE) writes 16 bytes there: the limits the process has.
+		if _, err := tc.Syscall(unix.SYS_GETRLIMIT, unix.RLIMIT_NOFILE, uintptr(s.Addr)); err != nil {
+			return err
+		}
+		var got unix.Rlimit
+		if err := s.Get(0, Bytes(&got)); err != nil {
+			return err
+		}
+		var want unix.Rlimit
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/limits", pid))
+		if err != nil {
+			return err
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(l); len(f) >= 6 && f[1] == "open" {
+				fmt.Sscan(f[3], &want.Cur)
+				fmt.Sscan(f[4], &want.Max)
+			}
+		}
+		if got != want {
+			return fmt.Errorf("getrlimit into borrowed stack bytes: %+v, want %+v", got, want)
+		}
+		if err := s.Free(); err != nil {
+			return err
+		}
+		after := make([]byte, 64)
+		if err := tc.ReadMem(rsp, after); err != nil {
+			return err
+		}
+		if !bytes.Equal(before, after) {
+			return fmt.Errorf("the stack was not given back:\n before %x\n after  %x", before, after)
+		}
+		return tc.Detach()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.ask(t); got[2] != "2" {
+		t.Fatalf("after the borrow the replica answered %v, want its second answer", got)
 	}
 }
 

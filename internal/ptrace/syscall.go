@@ -159,11 +159,29 @@ func (t *Tracee) WriteMem(addr uint64, b []byte) error {
 }
 
 // Scratch is a private anonymous page mapped into a tracee for the arguments of
-// injected calls (paths, structures). Free unmaps it.
+// injected calls (paths, structures), or bytes of its stack lent for them
+// (BorrowStack). Free unmaps it, or gives the bytes back.
 type Scratch struct {
 	t    *Tracee
 	Addr uint64
 	Size int
+	// lent holds what the borrowed bytes held (BorrowStack); nil for a mapped page.
+	lent []byte
+}
+
+// BorrowStack lends size bytes of the tracee's own stack, from its stack pointer up, as
+// scratch memory: what they hold is saved, and Free writes it back. The tracee is
+// stopped and does not read them meanwhile, and an injected call does not touch the
+// stack, so it never sees the change. It costs two accesses to the tracee's memory
+// instead of an injected mmap and munmap. It fails where the stack pointer has not
+// size readable bytes above it; the caller then maps a page (MapScratch).
+func (t *Tracee) BorrowStack(size int) (*Scratch, error) {
+	regs := t.Regs()
+	lent := make([]byte, size)
+	if err := t.ReadMem(regs.Rsp, lent); err != nil {
+		return nil, err
+	}
+	return &Scratch{t: t, Addr: regs.Rsp, Size: size, lent: lent}, nil
 }
 
 // MapScratch maps size bytes of scratch memory into the tracee.
@@ -201,8 +219,11 @@ func (s *Scratch) Get(off int, b []byte) error {
 // CString is b as a NUL-terminated string.
 func CString(s string) []byte { return append([]byte(s), 0) }
 
-// Free unmaps the scratch memory.
+// Free unmaps the scratch memory, or writes back what the borrowed bytes held.
 func (s *Scratch) Free() error {
+	if s.lent != nil {
+		return s.t.WriteMem(s.Addr, s.lent)
+	}
 	_, err := s.t.Syscall(unix.SYS_MUNMAP, uintptr(s.Addr), uintptr(s.Size))
 	return err
 }

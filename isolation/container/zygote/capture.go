@@ -343,12 +343,33 @@ func sameMappings(pid int, a []mapping, zygote int) ([]mapping, error) {
 // not show: interval timers (a zygote would lose them: not eligible), the parent-death
 // signal and the child-subreaper flag (recorded, set again by Spawn); and, for a rewind
 // (brk), the program break.
-func inherited(p *ptrace.Tracee, zp *Proc, brk bool) error {
+func inherited(p *ptrace.Tracee, zp *Proc, brk bool) (err error) {
+	// The calls' results (32 bytes at most, one at a time) go to bytes of the process's
+	// stack, given back afterwards; a page is mapped where they cannot be borrowed. A
+	// call that cannot write them fails with EFAULT, and the scan is made again on a page.
+	if s, err := p.BorrowStack(32); err == nil {
+		err = inheritedIn(p, zp, brk, s)
+		if ferr := s.Free(); ferr != nil {
+			return fmt.Errorf("give back the stack bytes of %d: %w", p.Pid, ferr)
+		}
+		if !errors.Is(err, unix.EFAULT) {
+			return err
+		}
+	}
 	s, err := p.MapScratch(4096)
 	if err != nil {
 		return err
 	}
-	defer s.Free()
+	defer func() {
+		if ferr := s.Free(); err == nil && ferr != nil {
+			err = fmt.Errorf("unmap the scratch memory of %d: %w", p.Pid, ferr)
+		}
+	}()
+	return inheritedIn(p, zp, brk, s)
+}
+
+// inheritedIn is inherited with the scratch memory s.
+func inheritedIn(p *ptrace.Tracee, zp *Proc, brk bool, s *ptrace.Scratch) error {
 	for _, which := range []int{unix.ITIMER_REAL, unix.ITIMER_VIRTUAL, unix.ITIMER_PROF} {
 		if _, err := p.Syscall(unix.SYS_GETITIMER, uintptr(which), uintptr(s.Addr)); err != nil {
 			return fmt.Errorf("getitimer in %d: %w", p.Pid, err)
