@@ -37,14 +37,21 @@ func (p Proc) Alive() bool {
 // statFields returns the fields of /proc/pid/stat after the command name, starting with
 // the state.
 func statFields(pid int) ([]string, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	return StatFields(fmt.Sprintf("/proc/%d/stat", pid))
+}
+
+// StatFields returns the fields of the stat file of a task (file: /proc/<pid>/stat of
+// any procfs) after the command name: the state is field 0, the parent's PID 1, the
+// session 3, the start time 19.
+func StatFields(file string) ([]string, error) {
+	b, err := os.ReadFile(file)
 	if err != nil {
 		return nil, err
 	}
 	s := string(b)
 	i := strings.LastIndexByte(s, ')')
 	if i < 0 {
-		return nil, fmt.Errorf("malformed /proc/%d/stat", pid)
+		return nil, fmt.Errorf("malformed %s", file)
 	}
 	return strings.Fields(s[i+1:]), nil
 }

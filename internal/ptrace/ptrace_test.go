@@ -82,10 +82,7 @@ func TestTracerDies(t *testing.T) {
 // has the call's registers, and runs once that child is gone.
 func TestBetween(t *testing.T) {
 	requireRoot(t)
-	c := startReplica(t)
-	tr := NewTracer()
-	defer tr.Close()
-	tc := stop(t, tr, c.cmd.Process.Pid)
+	c, tr, tc := stoppedReplica(t)
 	var z *Tracee
 	err := tr.Do(func() error {
 		_, err := tc.Syscall(unix.SYS_GETPID)
@@ -194,6 +191,16 @@ func startReplica(t *testing.T) *child {
 	return c
 }
 
+// stoppedReplica starts a replica, and a tracer that holds it stopped (closed at the
+// test's end).
+func stoppedReplica(t *testing.T) (*child, *Tracer, *Tracee) {
+	t.Helper()
+	c := startReplica(t)
+	tr := NewTracer()
+	t.Cleanup(tr.Close)
+	return c, tr, stop(t, tr, c.cmd.Process.Pid)
+}
+
 // ask sends one command and returns the answer's fields.
 func (c *child) ask(t *testing.T) []string {
 	t.Helper()
@@ -241,11 +248,8 @@ func stop(t *testing.T, tr *Tracer, pid int) *Tracee {
 // results are right, and the read it was blocked in carries on unaware afterwards.
 func TestSyscallInBlockedProcess(t *testing.T) {
 	requireRoot(t)
-	c := startReplica(t)
+	c, tr, tc := stoppedReplica(t)
 	pid := c.cmd.Process.Pid
-	tr := NewTracer()
-	defer tr.Close()
-	tc := stop(t, tr, pid)
 	before := tc.Regs()
 	err := tr.Do(func() error {
 		got, err := tc.Syscall(unix.SYS_GETPID)
@@ -298,11 +302,8 @@ func TestSyscallInBlockedProcess(t *testing.T) {
 // and the tracee goes on answering.
 func TestBorrowStack(t *testing.T) {
 	requireRoot(t)
-	c := startReplica(t)
+	c, tr, tc := stoppedReplica(t)
 	pid := c.cmd.Process.Pid
-	tr := NewTracer()
-	defer tr.Close()
-	tc := stop(t, tr, pid)
 	err := tr.Do(func() error {
 		rsp := tc.Regs().Rsp
 		before := make([]byte, 64)
@@ -415,11 +416,8 @@ func TestForkCopiesProcess(t *testing.T) {
 // is its own.
 func TestForkedCopyStaysStopped(t *testing.T) {
 	requireRoot(t)
-	c := startReplica(t)
+	c, tr, tc := stoppedReplica(t)
 	pid := c.cmd.Process.Pid
-	tr := NewTracer()
-	defer tr.Close()
-	tc := stop(t, tr, pid)
 	var copyPid int
 	err := tr.Do(func() error {
 		z, err := tc.Fork(unix.CLONE_PARENT)

@@ -150,7 +150,13 @@ func (pl *plan) SendMS() float64  { return pl.sendMS }
 var _ storage.PlannedReverter = (*Pool)(nil)
 
 // PlanRevert implements storage.PlannedReverter: the kernel's send ioctl with base as
-// the parent, in no-data mode, as Revert's but for the parent.
+// the parent, in no-data mode, as Revert's but for the parent, or a tree plan. A base
+// whose split snapshot is still committing (SnapshotSplit) is read by its tree ID, and
+// the plan does not wait for the commit: its content is fixed, its root item and
+// reference are in the root tree, where tree searches find them, and only its name
+// waits for the ioctl to return. Only a tree plan can read it so: the send ioctl reads
+// its parent's committed tree. Should that plan fail, the usual one is made once base
+// is published.
 func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.RevertPlan, error) {
 	for _, n := range []string{base, snapshot} {
 		if err := validName(n); err != nil {
@@ -158,13 +164,21 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		}
 	}
 	if id, ok := p.fixedTree(base); ok && !p.sendOnly {
-		if pl, err := p.planFromFixed(ctx, base, id, snapshot); err == nil || ctx.Err() != nil {
+		if pl, err := p.planRevert(ctx, base, id, snapshot); err == nil || ctx.Err() != nil {
 			return pl, err
 		}
-		// Whatever stopped it (no tree plan between the two, say), the plan is made
-		// the usual way once base is published.
 	}
-	p.await(base, snapshot)
+	return p.planRevert(ctx, base, 0, snapshot)
+}
+
+// planRevert is PlanRevert from base opened by its name (baseID 0) or read by its tree
+// ID while it is being published.
+func (p *Pool) planRevert(ctx context.Context, base string, baseID uint64, snapshot string) (storage.RevertPlan, error) {
+	if baseID == 0 {
+		p.await(base, snapshot)
+	} else {
+		p.await(snapshot)
+	}
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -173,78 +187,54 @@ func (p *Pool) PlanRevert(ctx context.Context, base, snapshot string) (storage.R
 		return nil, err
 	}
 	defer p.mu.RUnlock()
-	vols, err := p.openRevertPair(rootfd, base, snapshot, "plan a revert from", "plan a revert to")
-	if err != nil {
-		return nil, err
+	basefd := -1
+	baseFlags := uint64(btrfsSubvolRdonly) // SnapshotSplit makes read-only snapshots only
+	if baseID == 0 {
+		if basefd, baseFlags, baseID, err = p.openRevertVolume(rootfd, base, "plan a revert from"); err != nil {
+			return nil, err
+		}
+		defer unix.Close(basefd)
 	}
-	defer vols.close()
-	basefd, baseFlags, baseID := vols[0].fd, vols[0].flags, vols[0].id
-	snapfd, snapFlags, snapID := vols[1].fd, vols[1].flags, vols[1].id
-	if err := p.planPair(base, snapshot, baseFlags&snapFlags&btrfsSubvolRdonly != 0, baseID, snapID); err != nil {
-		return nil, err
-	}
-	t := time.Now()
-	pl := &plan{base: base, snapshot: snapshot}
-	pl.cmds, err = p.difference(ctx, basefd, snapfd, baseID, -1, &pl.how, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
-		return p.opError("plan a revert to", snapshot, err)
-	})
-	if err != nil {
-		return nil, err
-	}
-	pl.sendMS = msSince(t)
-	return pl, nil
-}
-
-// planPair checks the two volumes of a plan: both read-only (readOnly), two volumes.
-func (p *Pool) planPair(base, snapshot string, readOnly bool, baseID, snapID uint64) error {
-	switch {
-	case !readOnly:
-		return errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)
-	case baseID == snapID:
-		return errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
-	}
-	return nil
-}
-
-// planFromFixed is PlanRevert from base while SnapshotSplit publishes it, its content
-// fixed, its tree baseID: a tree plan, reading base's tree by its ID (its name resolves
-// only once the ioctl has returned). The send ioctl is not used: it reads its parent's
-// committed tree, which a snapshot has only once its transaction has committed.
-func (p *Pool) planFromFixed(ctx context.Context, base string, baseID uint64, snapshot string) (storage.RevertPlan, error) {
-	p.await(snapshot)
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	rootfd, err := p.acquire()
-	if err != nil {
-		return nil, err
-	}
-	defer p.mu.RUnlock()
 	snapfd, snapFlags, snapID, err := p.openRevertVolume(rootfd, snapshot, "plan a revert to")
 	if err != nil {
 		return nil, err
 	}
 	defer unix.Close(snapfd)
-	// base is read-only: SnapshotSplit makes read-only snapshots only.
-	if err := p.planPair(base, snapshot, snapFlags&btrfsSubvolRdonly != 0, baseID, snapID); err != nil {
-		return nil, err
+	switch {
+	case baseFlags&btrfsSubvolRdonly == 0 || snapFlags&btrfsSubvolRdonly == 0:
+		return nil, errdefs.FailedPrecondition("btrfs pool %s: plan a revert from %q to %q: both must be read-only snapshots", p.dir, base, snapshot)
+	case baseID == snapID:
+		return nil, errdefs.InvalidArgument("btrfs pool %s: plan a revert from %q to %q: both names are the same volume", p.dir, base, snapshot)
 	}
 	t := time.Now()
-	var infos [3]*subvolInfoArgs
-	if infos[0], err = rootItemInfo(rootfd, baseID); err != nil {
-		return nil, p.opError("plan a revert from", base, err)
-	}
-	if infos[1], err = subvolInfo(snapfd); err != nil {
-		return nil, p.opError("plan a revert to", snapshot, err)
-	}
 	pl := &plan{base: base, snapshot: snapshot}
-	var compared int
-	if pl.cmds, compared, err = p.treeDiffOf(ctx, treeRef{fd: rootfd, id: baseID}, infos, snapfd); err != nil {
+	if basefd >= 0 {
+		pl.cmds, err = p.difference(ctx, basefd, snapfd, baseID, -1, &pl.how, fmt.Sprintf("plan a revert from %q to %q", base, snapshot), func(err error) error {
+			return p.opError("plan a revert to", snapshot, err)
+		})
+	} else {
+		pl.cmds, pl.how.Compared, err = p.treeDiffByID(ctx, rootfd, base, baseID, snapshot, snapfd)
+		pl.how.Diff = "tree"
+	}
+	if err != nil {
 		return nil, err
 	}
-	pl.how = storage.RevertStats{Diff: "tree", Compared: compared}
 	pl.sendMS = msSince(t)
 	return pl, nil
+}
+
+// treeDiffByID is the tree plan from the volume whose tree is baseID (named base, for
+// messages), read by searches on rootfd, to snapfd.
+func (p *Pool) treeDiffByID(ctx context.Context, rootfd int, base string, baseID uint64, snapshot string, snapfd int) ([]*sendCommand, int, error) {
+	var infos [3]*subvolInfoArgs
+	var err error
+	if infos[0], err = rootItemInfo(rootfd, baseID); err != nil {
+		return nil, 0, p.opError("plan a revert from", base, err)
+	}
+	if infos[1], err = subvolInfo(snapfd); err != nil {
+		return nil, 0, p.opError("plan a revert to", snapshot, err)
+	}
+	return p.treeDiffOf(ctx, treeRef{fd: rootfd, id: baseID}, infos, snapfd)
 }
 
 // RevertPlanned implements storage.PlannedReverter.

@@ -343,33 +343,35 @@ func sameMappings(pid int, a []mapping, zygote int) ([]mapping, error) {
 // not show: interval timers (a zygote would lose them: not eligible), the parent-death
 // signal and the child-subreaper flag (recorded, set again by Spawn); and, for a rewind
 // (brk), the program break.
-func inherited(p *ptrace.Tracee, zp *Proc, brk bool) (err error) {
+func inherited(p *ptrace.Tracee, zp *Proc, brk bool) error {
 	// The calls' results (32 bytes at most, one at a time) go to bytes of the process's
 	// stack, given back afterwards; a page is mapped where they cannot be borrowed. A
 	// call that cannot write them fails with EFAULT, and the scan is made again on a page.
-	if s, err := p.BorrowStack(32); err == nil {
-		err = inheritedIn(p, zp, brk, s)
-		if ferr := s.Free(); ferr != nil {
-			return fmt.Errorf("give back the stack bytes of %d: %w", p.Pid, ferr)
-		}
-		if !errors.Is(err, unix.EFAULT) {
+	s, err := p.BorrowStack(32)
+	if err == nil {
+		if err = inheritedWith(p, zp, brk, s); !errors.Is(err, unix.EFAULT) {
 			return err
 		}
 	}
-	s, err := p.MapScratch(4096)
-	if err != nil {
+	if s, err = p.MapScratch(4096); err != nil {
 		return err
 	}
-	defer func() {
-		if ferr := s.Free(); err == nil && ferr != nil {
-			err = fmt.Errorf("unmap the scratch memory of %d: %w", p.Pid, ferr)
-		}
-	}()
-	return inheritedIn(p, zp, brk, s)
+	return inheritedWith(p, zp, brk, s)
 }
 
-// inheritedIn is inherited with the scratch memory s.
-func inheritedIn(p *ptrace.Tracee, zp *Proc, brk bool, s *ptrace.Scratch) error {
+// inheritedWith is inherited with the scratch memory s, which it frees. A failure to free
+// it wins over the calls' (and is no EFAULT to retry on): the process must not run on
+// with the scratch memory's changes.
+func inheritedWith(p *ptrace.Tracee, zp *Proc, brk bool, s *ptrace.Scratch) error {
+	err := readInherited(p, zp, brk, s)
+	if ferr := s.Free(); ferr != nil {
+		return fmt.Errorf("give back the scratch memory of %d: %v", p.Pid, ferr)
+	}
+	return err
+}
+
+// readInherited makes the calls of inherited, their results in s.
+func readInherited(p *ptrace.Tracee, zp *Proc, brk bool, s *ptrace.Scratch) error {
 	for _, which := range []int{unix.ITIMER_REAL, unix.ITIMER_VIRTUAL, unix.ITIMER_PROF} {
 		if _, err := p.Syscall(unix.SYS_GETITIMER, uintptr(which), uintptr(s.Addr)); err != nil {
 			return fmt.Errorf("getitimer in %d: %w", p.Pid, err)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/cairn-sandbox/cairn/internal/mountinfo"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
+	"github.com/cairn-sandbox/cairn/isolation"
 )
 
 // procDir is /proc/<pid>.
@@ -104,16 +105,10 @@ func Children(pid int) ([]int, error) {
 
 // sessionOf returns the session and process group IDs of pid (in its pid namespace).
 func sessionOf(pid int) (sid, pgid int, err error) {
-	b, err := os.ReadFile(procDir(pid) + "/stat")
+	f, err := isolation.StatFields(procDir(pid) + "/stat") // state ppid pgrp session ...
 	if err != nil {
 		return 0, 0, err
 	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, 0, fmt.Errorf("malformed /proc/%d/stat", pid)
-	}
-	f := strings.Fields(s[i+1:]) // state ppid pgrp session ...
 	if len(f) < 4 {
 		return 0, 0, fmt.Errorf("short /proc/%d/stat", pid)
 	}

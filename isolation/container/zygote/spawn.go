@@ -1,7 +1,6 @@
 package zygote
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -67,9 +66,7 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 			return err
 		}
 		report(o.Phase, "stop", t)
-		if len(zs) > 0 {
-			o.proc = nsProc(&r.Procs[0])
-		}
+		o.proc = r.nsProc()
 		// Each fork takes the PID it asks for, and the next PID moves at once past those
 		// of every process to fork: otherwise the next PID after the first process's
 		// would be the second's, and any process starting meanwhile in the namespace
@@ -350,32 +347,23 @@ func forkAs(z *ptrace.Tracee, p *Proc, o SpawnOptions) (*ptrace.Tracee, error) {
 }
 
 // nsProc returns the /proc of the sandbox's pid namespace, as its root (seen through
-// the zygote of p's) holds it: its entry of the zygote must be the zygote (the same
-// start time), else "".
-func nsProc(p *Proc) string {
-	dir := procDir(p.Zygote.Pid) + "/root/proc"
-	in, err := os.ReadFile(fmt.Sprintf("%s/%d/stat", dir, p.ZygoteNSPid))
-	if err != nil {
-		return ""
+// the zygote of its first process) holds it: its entry of the zygote must be the
+// zygote (the same start time), else "". It is found once per record read.
+func (r *Record) nsProc() string {
+	if r.proc == nil {
+		dir := ""
+		if len(r.Procs) > 0 {
+			p := &r.Procs[0]
+			dir = procDir(p.Zygote.Pid) + "/root/proc"
+			in, err1 := isolation.StatFields(fmt.Sprintf("%s/%d/stat", dir, p.ZygoteNSPid))
+			out, err2 := isolation.StatFields(procDir(p.Zygote.Pid) + "/stat")
+			if err1 != nil || err2 != nil || len(in) < 20 || len(out) < 20 || in[19] != out[19] {
+				dir = ""
+			}
+		}
+		r.proc = &dir
 	}
-	out, err := os.ReadFile(procDir(p.Zygote.Pid) + "/stat")
-	if err != nil || startTime(in) == "" || startTime(in) != startTime(out) {
-		return ""
-	}
-	return dir
-}
-
-// startTime is field 22 of a /proc/<pid>/stat.
-func startTime(stat []byte) string {
-	i := bytes.LastIndexByte(stat, ')')
-	if i < 0 {
-		return ""
-	}
-	f := strings.Fields(string(stat[i+1:]))
-	if len(f) < 20 {
-		return ""
-	}
-	return f[19]
+	return *r.proc
 }
 
 // WaitPids waits until the PIDs of r's processes are free in the sandbox's pid
@@ -384,10 +372,7 @@ func startTime(stat []byte) string {
 // init is frozen: a zombie child of init holding one (a process that ended as the
 // rollback began, say) is then reaped, which it would not be while init is frozen.
 func (r *Record) WaitPids(timeout time.Duration) error {
-	if len(r.Procs) == 0 {
-		return nil
-	}
-	proc := nsProc(&r.Procs[0])
+	proc := r.nsProc()
 	deadline := time.Now().Add(timeout)
 	for {
 		var held []int
@@ -415,13 +400,8 @@ func zombieOfFrozen(proc string, nsPid int) bool {
 	if proc == "" {
 		return false
 	}
-	b, err := os.ReadFile(fmt.Sprintf("%s/%d/stat", proc, nsPid))
-	if err != nil {
-		return false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	f := strings.Fields(string(b[i+1:]))
-	if i < 0 || len(f) < 2 || f[0] != "Z" {
+	f, err := isolation.StatFields(fmt.Sprintf("%s/%d/stat", proc, nsPid))
+	if err != nil || len(f) < 2 || f[0] != "Z" {
 		return false
 	}
 	// f[1] is the parent's PID in the namespace; its freezer state is read through the
@@ -743,14 +723,14 @@ func holderOf(pid, nsPid int) string {
 // age is how long ago task pid started, from its start time in /proc/<pid>/stat (clock
 // ticks since boot, 100 a second here) and the system's uptime.
 func age(pid int) string {
-	b, err := os.ReadFile(procDir(pid) + "/stat")
-	up, uerr := os.ReadFile("/proc/uptime")
-	start, serr := strconv.ParseFloat(startTime(b), 64)
-	if err != nil || uerr != nil || serr != nil {
+	st, err := isolation.StatFields(procDir(pid) + "/stat")
+	if err != nil || len(st) < 20 {
 		return "?"
 	}
+	start, err := strconv.ParseFloat(st[19], 64)
+	up, uerr := os.ReadFile("/proc/uptime")
 	f := strings.Fields(string(up))
-	if len(f) == 0 {
+	if err != nil || uerr != nil || len(f) == 0 {
 		return "?"
 	}
 	now, err := strconv.ParseFloat(f[0], 64)

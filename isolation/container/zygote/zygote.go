@@ -66,6 +66,9 @@ type Record struct {
 	// of that same init's sandbox (same pid namespace, same root).
 	Init  isolation.Proc `json:"init"`
 	Procs []Proc         `json:"procs"`
+
+	// proc is the /proc of the sandbox's pid namespace once looked for (nsProc).
+	proc *string
 }
 
 // Proc is one process of the sandbox at the checkpoint and its zygote.
