@@ -9,6 +9,10 @@
 // requests about it only from that thread: every call of a Tracee must come from the
 // OS thread that seized it. A Tracer owns such a thread; run all work through Tracer.Do.
 //
+// CPUs. While traced, a tracee runs on its tracer's CPU (colocate.go): an injected call
+// is two round trips between them, and a wake-up of an idle CPU of a virtual machine
+// costs more than the call.
+//
 // Crash windows. While a system call is being injected the tracee's registers are not
 // its own. If the tracer dies in that window the kernel detaches the tracee, which then
 // runs on from the injected state and most likely crashes. Each window lasts one system
@@ -67,7 +71,11 @@ func NewTracer() *Tracer {
 					return
 				}
 				t.detachStale()
+				pinned := pinThread()
 				f()
+				if pinned {
+					unpinThread()
+				}
 			case <-tick.C:
 				t.detachStale()
 			}
@@ -94,6 +102,7 @@ func (t *Tracer) detachStale() {
 			// gone, or no longer ours
 		case pid == tc.Pid && ws.Stopped():
 			tc.pending = nil // its registers were never changed
+			tc.unpin()
 			unix.PtraceDetach(tc.Pid)
 		default:
 			keep = append(keep, tc)
@@ -102,7 +111,8 @@ func (t *Tracer) detachStale() {
 	t.stale = keep
 }
 
-// Do runs f on the tracer's thread and returns its error.
+// Do runs f on the tracer's thread and returns its error. While f runs the thread stays
+// on the CPU it started on, where its tracees run their injected calls (see colocate).
 func (t *Tracer) Do(f func() error) error {
 	errc := make(chan error, 1)
 	t.work <- func() { errc <- f() }
@@ -134,6 +144,10 @@ type Tracee struct {
 	// parked holds the tracee's own registers while it is parked (Park); saved then
 	// holds the parking call.
 	parked *unix.PtraceRegs
+	// pinned says the tracee runs on its tracer's CPU only (colocate); mask is its own
+	// CPU affinity, which Detach gives back.
+	pinned bool
+	mask   unix.CPUSet
 }
 
 // windows counts the tracees (and Window calls) in a crash window, process-wide.
@@ -251,11 +265,12 @@ func event(ws unix.WaitStatus) int {
 }
 
 // wait waits for the next state change of the tracee. It polls (waitpid has no
-// timeout), first without sleeping (most injected calls stop again within
-// microseconds, and the Go scheduler's sleeps add tens of them), then in nanosleeps of
-// the tracer's own thread of ~20 µs: a fork of a large process runs for milliseconds,
-// in the kernel, and a spinning tracer would take a core from it and from whatever
-// runs beside it (the checkpoint's snapshot, the rollback's revert).
+// timeout). A tracee on the tracer's CPU (colocate) is given that CPU between polls
+// (sched_yield) for 5 ms. Otherwise the tracer polls first without sleeping (most
+// injected calls stop again within microseconds, and the Go scheduler's sleeps add tens
+// of them), then in nanosleeps of its own thread of ~20 µs: a fork of a large process
+// runs for milliseconds, in the kernel, and a spinning tracer would take a core from it
+// and from whatever runs beside it (the checkpoint's snapshot, the rollback's revert).
 func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 	start := time.Now()
 	deadline := start.Add(timeout)
@@ -279,6 +294,9 @@ func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 			return 0, fmt.Errorf("process %d did not stop within %s (state %s)", t.Pid, timeout, ProcState(t.Pid))
 		}
 		switch waited := now.Sub(start); {
+		case t.pinned && waited < 5*time.Millisecond:
+			// The tracee runs on this CPU: give it the CPU until it stops.
+			unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 		case waited < spinFor:
 		case waited < 5*time.Millisecond:
 			ts := unix.NsecToTimespec(int64(pollEvery))
@@ -407,6 +425,7 @@ func (t *Tracee) Detach() error {
 	if err := t.Restore(); err != nil {
 		return err
 	}
+	t.unpin()
 	var first uintptr
 	rest := t.pending
 	if len(rest) > 0 {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -450,5 +451,83 @@ func TestForkedCopyStaysStopped(t *testing.T) {
 	unix.Kill(copyPid, unix.SIGCONT)
 	if got := c.ask(t); got[0] != fmt.Sprint(copyPid) || got[2] != "2" {
 		t.Fatalf("continued copy answered %v, want pid %d with counter 2", got, copyPid)
+	}
+}
+
+// TestColocate checks that a tracee runs on its tracer's CPU only while it is traced,
+// and gets its own CPU affinity back when detached: the one it had (here set by the
+// test to the CPU that is not the tracer's, to tell it from both). A copy made by Fork
+// is born with its parent's own (the clone ran unpinned), is pinned by a call injected
+// into it, and gets its parent's own back when detached.
+func TestColocate(t *testing.T) {
+	requireRoot(t)
+	if runtime.NumCPU() < 2 {
+		t.Skip("needs two CPUs")
+	}
+	c := startReplica(t)
+	pid := c.cmd.Process.Pid
+	var own unix.CPUSet
+	tr := NewTracer()
+	defer tr.Close()
+	tc := stop(t, tr, pid)
+	affinity := func(pid int) unix.CPUSet {
+		var s unix.CPUSet
+		if err := unix.SchedGetaffinity(pid, &s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	var copyPid int
+	var tracing, pinned, copyBorn, copyPinned unix.CPUSet
+	err := tr.Do(func() error {
+		cpu, err := currentCPU()
+		if err != nil {
+			return err
+		}
+		tracing.Set(cpu)
+		own.Set(1 - cpu%2) // not the tracer's
+		if err := unix.SchedSetaffinity(pid, &own); err != nil {
+			return err
+		}
+		if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
+			return err
+		}
+		pinned = affinity(pid)
+		z, err := tc.Fork(unix.CLONE_PARENT)
+		if err != nil {
+			return err
+		}
+		copyPid = z.Pid
+		copyBorn = affinity(z.Pid)
+		if _, err := z.Syscall(unix.SYS_GETPID); err != nil {
+			return err
+		}
+		copyPinned = affinity(z.Pid)
+		z.SetRegs(tc.Regs())
+		if err := z.Detach(); err != nil {
+			return err
+		}
+		return tc.Detach()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Kill(copyPid, unix.SIGKILL)
+	if pinned != tracing || copyPinned != tracing {
+		t.Errorf("while traced: affinity %v, its copy's %v; want %v (the tracer's CPU)", pinned, copyPinned, tracing)
+	}
+	if copyBorn != own {
+		t.Errorf("the copy was born with affinity %v, want its parent's own %v (a clone runs unpinned)", copyBorn, own)
+	}
+	if got := affinity(pid); got != own {
+		t.Errorf("after Detach the process's affinity is %v, want its own %v", got, own)
+	}
+	if got := affinity(copyPid); got != own {
+		t.Errorf("after Detach the copy's affinity is %v, want its parent's own %v", got, own)
+	}
+	unix.Kill(copyPid, unix.SIGKILL) // it reads the same pipe
+	// The process runs on as before.
+	if got := c.ask(t); len(got) != 3 || got[2] != "2" {
+		t.Errorf("the process answers %v after being traced", got)
 	}
 }

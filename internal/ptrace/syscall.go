@@ -30,6 +30,11 @@ func (t *Tracee) syscall(nr uintptr, args []uintptr) (uintptr, *Tracee, error) {
 	if err := t.locate(); err != nil {
 		return 0, nil, err
 	}
+	if nr == unix.SYS_CLONE {
+		t.unpin() // see colocate.go: a fork runs best where the scheduler puts it
+	} else {
+		t.colocate()
+	}
 	r := t.saved
 	r.Rip = t.syscallAt
 	r.Rax = uint64(nr)
@@ -127,6 +132,8 @@ func (t *Tracee) Fork(flags uintptr) (*Tracee, error) {
 		return nil, fmt.Errorf("new child %d of %d: %w", child.Pid, t.Pid, err)
 	}
 	child.syscallAt = t.syscallAt // same address space layout
+	// Born with the parent's affinity, pinned or not: given the parent's own at Detach.
+	child.pinned, child.mask = t.pinned, t.mask
 	return child, nil
 }
 

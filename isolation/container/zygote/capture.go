@@ -32,16 +32,18 @@ type CaptureOptions struct {
 	// which each zygote gets a cgroup of its own, named after its process's PID.
 	CgroupDir string
 	// RecordDir receives the record (RecordFile): first a provisional one, written
-	// before the first zygote exists and naming the cgroups they go to, so that Kill
-	// can always end what a crash left; the complete one at the end.
+	// before the processes stop and naming the cgroups their zygotes go to, so that
+	// Kill can always end what a crash left; the complete one once they run again.
 	RecordDir string
 	// Frozen, if set, is called once every process is stopped, on a goroutine of its
 	// own while the zygotes are made: the caller snapshots the filesystem there. Its
 	// error aborts the capture; the processes stay stopped until it returns.
 	Frozen func() error
 	// Phase, if set, is told how long each phase took ("stop", "zygote_scan",
-	// "zygote_track", "zygote_fork", "zygotes", "fs", "resume", and "stopped": from the
-	// stop to the end of the resume), from two goroutines at once.
+	// "zygote_track", "zygote_fork" and its steps "zygote_fork_cgroup", "_clone",
+	// "_calls", "_move", "_check" summed over the processes, "zygotes", "fs", "resume",
+	// and "stopped": from the stop to the end of the resume; "zygote_record" and
+	// "zygote_record_final" before and after it), from two goroutines at once.
 	Phase func(name string, d time.Duration)
 	// Tracks, if set, follows the processes' writes from here on, so that a rollback to
 	// this checkpoint can bring them back in place (Rewind).
@@ -60,8 +62,9 @@ func (o *CaptureOptions) report(name string, start time.Time) {
 // Capture makes a zygote of every child of the sandbox's init and records what fork
 // does not copy. The processes are stopped (ptrace) for the duration, and run on
 // unchanged afterwards whatever happens. On any failure nothing is left behind: the
-// zygotes made so far are killed. An *Ineligible error says why the sandbox cannot be
-// captured this way (the caller falls back to CRIU).
+// zygotes made so far are killed, and the provisional record removed once they are. An
+// *Ineligible error says why the sandbox cannot be captured this way (the caller falls
+// back to CRIU).
 func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record, error) {
 	t0 := time.Now()
 	var kids []int
@@ -85,7 +88,21 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 		break
 	}
 	o.report("check", t0)
+	// The provisional record, before the processes stop: it names the cgroups their
+	// zygotes will go to (after their PIDs in the sandbox, which never change).
+	tw := time.Now()
 	rec := &Record{Version: Version, Init: o.Init}
+	for _, k := range kids {
+		nsPid, err := NSPid(k)
+		if err != nil {
+			return nil, err
+		}
+		rec.Procs = append(rec.Procs, Proc{Cgroup: o.cgroup(nsPid)})
+	}
+	if err := rec.Write(o.RecordDir); err != nil {
+		return nil, err
+	}
+	o.report("zygote_record", tw)
 	err = tr.Do(func() error {
 		t := time.Now()
 		procs, stopped, err := stopAll(kids)
@@ -118,12 +135,28 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 		}
 		return err
 	})
+	if err == nil {
+		// The complete record, once the processes run again: until then the provisional
+		// one names the zygotes' cgroups, which is all Kill needs after a crash.
+		tw := time.Now()
+		err = rec.Write(o.RecordDir)
+		o.report("zygote_record_final", tw)
+	}
 	if err != nil {
-		Kill(rec)
+		if Kill(rec) == nil {
+			// Nothing left for the record to name (kept otherwise, for a later Kill).
+			os.Remove(filepath.Join(o.RecordDir, RecordFile))
+		}
 		return nil, err
 	}
 	o.Tracks.captured(rec, kids)
 	return rec, nil
+}
+
+// cgroup is the freezer cgroup of the zygote of the process whose PID in the sandbox is
+// nsPid.
+func (o *CaptureOptions) cgroup(nsPid int) string {
+	return filepath.Join(o.CgroupDir, strconv.Itoa(nsPid))
 }
 
 // reapWait bounds how long Capture waits for init to reap a process that has exited.
@@ -167,35 +200,35 @@ func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
 		}
 		inside += in
 		zps = append(zps, zp)
-		rec.Procs = append(rec.Procs, Proc{Cgroup: zp.Cgroup})
 	}
 	o.report("zygote_scan", t)
 	if o.Phase != nil {
 		o.Phase("zygote_scan_inside", inside)
 	}
-	tw := time.Now()
-	if err := rec.Write(o.RecordDir); err != nil {
-		return err
-	}
-	o.report("zygote_record", tw)
 	// What each process wrote since it was last scanned is found now, while it is
 	// stopped and before its zygote exists: its new zygote's set starts empty.
 	tt := time.Now()
 	o.Tracks.before(procs, zps)
 	o.report("zygote_track", tt)
 	t1 := time.Now()
+	var steps forkSteps
 	for i, p := range procs {
-		if err := capture(p, zps[i], o.Tracks != nil); err != nil {
+		if zps[i].Cgroup != rec.Procs[i].Cgroup {
+			// Not the process the provisional record was written for (Capture checks the
+			// list did not change): never fork a zygote Kill would not find.
+			return fmt.Errorf("process %d: its zygote's cgroup %s is not the recorded %s", p.Pid, zps[i].Cgroup, rec.Procs[i].Cgroup)
+		}
+		if err := capture(p, zps[i], o.Tracks != nil, &steps); err != nil {
 			return err
 		}
 		rec.Procs[i] = *zps[i]
 	}
 	o.report("zygote_fork", t1)
-	tw = time.Now()
-	if err := rec.Write(o.RecordDir); err != nil {
-		return err
+	if o.Phase != nil {
+		for i, d := range steps {
+			o.Phase(forkStepNames[i], d)
+		}
 	}
-	o.report("zygote_record_final", tw)
 	o.report("zygotes", t)
 	return nil
 }
@@ -262,23 +295,39 @@ func (o *CaptureOptions) scan(p *ptrace.Tracee) (zp *Proc, inside time.Duration,
 		return nil, 0, err
 	}
 	inside = time.Since(t)
-	zp.Cgroup = filepath.Join(o.CgroupDir, strconv.Itoa(zp.NSPid))
+	zp.Cgroup = o.cgroup(zp.NSPid)
 	return zp, inside, nil
+}
+
+// forkSteps adds up the time capture spends in each of its steps, over the processes.
+type forkSteps [5]time.Duration
+
+// The phases forkSteps reports, in its order.
+var forkStepNames = [...]string{"zygote_fork_cgroup", "zygote_fork_clone", "zygote_fork_calls", "zygote_fork_move", "zygote_fork_check"}
+
+// step adds the time since *t to step i and restarts *t.
+func (s *forkSteps) step(i int, t *time.Time) {
+	now := time.Now()
+	s[i] += now.Sub(*t)
+	*t = now
 }
 
 // capture forks the zygote of a stopped process into a frozen cgroup of its own, and
 // records the process's extended processor state for a rewind (xstate).
-func capture(p *ptrace.Tracee, zp *Proc, xstate bool) error {
+func capture(p *ptrace.Tracee, zp *Proc, xstate bool, steps *forkSteps) error {
+	t := time.Now()
 	if err := os.MkdirAll(zp.Cgroup, 0o755); err != nil {
 		return fmt.Errorf("zygote cgroup: %w", err)
 	}
 	if err := freezer.Write(zp.Cgroup, freezer.Frozen); err != nil {
 		return fmt.Errorf("zygote cgroup: %w", err)
 	}
+	steps.step(0, &t)
 	z, err := p.Fork(unix.CLONE_PARENT)
 	if err != nil {
 		return err
 	}
+	steps.step(1, &t)
 	// Out of the process's session and group: as their member the zygote would keep
 	// the process's PID allocated (a session ID), and a rollback could not give it back.
 	// Until Detach the zygote's registers are those of the injected clone's return: if
@@ -295,6 +344,7 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool) error {
 		z.Detach()
 		return fmt.Errorf("prctl in the zygote of %d: %w", p.Pid, err)
 	}
+	steps.step(2, &t)
 	// Into the frozen cgroup before it gets the process's registers: from Detach on, it
 	// freezes before it runs an instruction (and if cairn dies, the kernel detaches it
 	// into the freezer too).
@@ -303,6 +353,7 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool) error {
 		z.Detach()
 		return fmt.Errorf("freeze zygote: %w", err)
 	}
+	steps.step(3, &t)
 	if zp.Zygote, err = isolation.ProcOf(z.Pid); err == nil {
 		zp.ZygoteNSPid, err = NSPid(z.Pid)
 	}
@@ -318,6 +369,7 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool) error {
 	if derr := z.Detach(); err == nil {
 		err = derr
 	}
+	steps.step(4, &t)
 	if err != nil {
 		unix.Kill(z.Pid, unix.SIGKILL)
 		return err
