@@ -131,6 +131,9 @@ func (t *Tracer) Close() {
 // thread (inside Do).
 type Tracee struct {
 	Pid int
+	// ClonedAs is, for a copy made by Fork, the PID the clone returned to its parent: the
+	// copy's PID in the parent's pid namespace (0 for a seized process).
+	ClonedAs int
 	// saved are the tracee's own registers, read when it stopped; Restore puts them back.
 	saved unix.PtraceRegs
 	// syscallAt is the address of a `syscall` instruction in the tracee's vDSO.

@@ -378,6 +378,9 @@ func TestForkCopiesProcess(t *testing.T) {
 			return err
 		}
 		copyPid = z.Pid
+		if z.ClonedAs != z.Pid { // the same pid namespace as ours
+			return fmt.Errorf("the clone returned %d to the process, want the copy's PID %d", z.ClonedAs, z.Pid)
+		}
 		z.SetRegs(tc.Regs())
 		if err := z.Detach(); err != nil {
 			return err

@@ -115,7 +115,7 @@ func (t *Tracee) step() (*Tracee, error) {
 func (t *Tracee) Fork(flags uintptr) (*Tracee, error) {
 	// Flags, stack (0: the child runs on the caller's stack, copy-on-write), parent TID,
 	// child TID, TLS.
-	_, child, err := t.syscall(unix.SYS_CLONE, []uintptr{flags, 0, 0, 0, 0})
+	pid, child, err := t.syscall(unix.SYS_CLONE, []uintptr{flags, 0, 0, 0, 0})
 	if err != nil {
 		if child != nil {
 			unix.Kill(child.Pid, unix.SIGKILL)
@@ -132,6 +132,7 @@ func (t *Tracee) Fork(flags uintptr) (*Tracee, error) {
 		return nil, fmt.Errorf("new child %d of %d: %w", child.Pid, t.Pid, err)
 	}
 	child.syscallAt = t.syscallAt // same address space layout
+	child.ClonedAs = int(pid)
 	// Born with the parent's affinity, pinned or not: given the parent's own at Detach.
 	child.pinned, child.mask = t.pinned, t.mask
 	return child, nil

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -32,18 +33,20 @@ type CaptureOptions struct {
 	// which each zygote gets a cgroup of its own, named after its process's PID.
 	CgroupDir string
 	// RecordDir receives the record (RecordFile): first a provisional one, written
-	// before the processes stop and naming the cgroups their zygotes go to, so that
-	// Kill can always end what a crash left; the complete one once they run again.
+	// before the first zygote is forked and naming the cgroups the zygotes go to, so
+	// that Kill can always end what a crash left; the complete one once the processes
+	// run again.
 	RecordDir string
 	// Frozen, if set, is called once every process is stopped, on a goroutine of its
 	// own while the zygotes are made: the caller snapshots the filesystem there. Its
 	// error aborts the capture; the processes stay stopped until it returns.
 	Frozen func() error
 	// Phase, if set, is told how long each phase took ("stop", "zygote_scan",
-	// "zygote_track", "zygote_fork" and its steps "zygote_fork_cgroup", "_clone",
-	// "_calls", "_move", "_check" summed over the processes, "zygotes", "fs", "resume",
-	// and "stopped": from the stop to the end of the resume; "zygote_record" and
-	// "zygote_record_final" before and after it), from two goroutines at once.
+	// "zygote_track", "zygote_wait_prepare", "zygote_fork" and its steps
+	// "zygote_fork_clone", "_calls", "_move", "_check" summed over the processes,
+	// "zygotes", "fs", "resume", and "stopped": from the stop to the end of the resume;
+	// "zygote_prepare" beside it, "zygote_record_final" after it), from three goroutines
+	// at once.
 	Phase func(name string, d time.Duration)
 	// Tracks, if set, follows the processes' writes from here on, so that a rollback to
 	// this checkpoint can bring them back in place (Rewind).
@@ -88,21 +91,12 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 		break
 	}
 	o.report("check", t0)
-	// The provisional record, before the processes stop: it names the cgroups their
-	// zygotes will go to (after their PIDs in the sandbox, which never change).
-	tw := time.Now()
+	// Prepared beside the stop and the scan, and awaited before the first zygote is
+	// forked (prepare): the provisional record and the zygotes' cgroups.
 	rec := &Record{Version: Version, Init: o.Init}
-	for _, k := range kids {
-		nsPid, err := NSPid(k)
-		if err != nil {
-			return nil, err
-		}
-		rec.Procs = append(rec.Procs, Proc{Cgroup: o.cgroup(nsPid)})
-	}
-	if err := rec.Write(o.RecordDir); err != nil {
-		return nil, err
-	}
-	o.report("zygote_record", tw)
+	prepared := make(chan error, 1)
+	go func() { prepared <- o.prepare(rec, kids) }()
+	prepare := sync.OnceValue(func() error { return <-prepared })
 	err = tr.Do(func() error {
 		t := time.Now()
 		procs, stopped, err := stopAll(kids)
@@ -129,12 +123,15 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 		// while the zygotes are made (a btrfs snapshot and the forks each take a few
 		// milliseconds, mostly in the kernel, on two cores).
 		fs := o.frozen()
-		err = o.zygotes(procs, rec)
+		err = o.zygotes(procs, rec, prepare)
 		if ferr := fs(); err == nil {
 			err = ferr
 		}
 		return err
 	})
+	if perr := prepare(); err == nil {
+		err = perr // (awaited in any case: Kill must not run before it is done)
+	}
 	if err == nil {
 		// The complete record, once the processes run again: until then the provisional
 		// one names the zygotes' cgroups, which is all Kill needs after a crash.
@@ -151,6 +148,33 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 	}
 	o.Tracks.captured(rec, kids)
 	return rec, nil
+}
+
+// prepare writes the provisional record, which names the cgroups the zygotes of the
+// processes kids will go to (after their PIDs in the sandbox, which never change), then
+// makes those cgroups, frozen. It runs while the processes are stopped and scanned.
+func (o *CaptureOptions) prepare(rec *Record, kids []int) error {
+	t := time.Now()
+	for _, k := range kids {
+		nsPid, err := NSPid(k)
+		if err != nil {
+			return err
+		}
+		rec.Procs = append(rec.Procs, Proc{Cgroup: o.cgroup(nsPid)})
+	}
+	if err := rec.Write(o.RecordDir); err != nil {
+		return err
+	}
+	for _, p := range rec.Procs {
+		if err := os.MkdirAll(p.Cgroup, 0o755); err != nil {
+			return fmt.Errorf("zygote cgroup: %w", err)
+		}
+		if err := freezer.Write(p.Cgroup, freezer.Frozen); err != nil {
+			return fmt.Errorf("zygote cgroup: %w", err)
+		}
+	}
+	o.report("zygote_prepare", t)
+	return nil
 }
 
 // cgroup is the freezer cgroup of the zygote of the process whose PID in the sandbox is
@@ -188,8 +212,9 @@ func (o *CaptureOptions) frozen() (wait func() error) {
 	return func() error { return <-done }
 }
 
-// zygotes scans the stopped processes, records them and forks their zygotes.
-func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
+// zygotes scans the stopped processes, records them and forks their zygotes, once
+// prepare says their record and cgroups are ready.
+func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record, prepare func() error) error {
 	t := time.Now()
 	var zps []*Proc
 	var inside time.Duration // of the scan, in calls injected into the processes
@@ -210,6 +235,11 @@ func (o *CaptureOptions) zygotes(procs []*ptrace.Tracee, rec *Record) error {
 	tt := time.Now()
 	o.Tracks.before(procs, zps)
 	o.report("zygote_track", tt)
+	tp := time.Now()
+	if err := prepare(); err != nil {
+		return err
+	}
+	o.report("zygote_wait_prepare", tp)
 	t1 := time.Now()
 	var steps forkSteps
 	for i, p := range procs {
@@ -300,10 +330,10 @@ func (o *CaptureOptions) scan(p *ptrace.Tracee) (zp *Proc, inside time.Duration,
 }
 
 // forkSteps adds up the time capture spends in each of its steps, over the processes.
-type forkSteps [5]time.Duration
+type forkSteps [4]time.Duration
 
 // The phases forkSteps reports, in its order.
-var forkStepNames = [...]string{"zygote_fork_cgroup", "zygote_fork_clone", "zygote_fork_calls", "zygote_fork_move", "zygote_fork_check"}
+var forkStepNames = [...]string{"zygote_fork_clone", "zygote_fork_calls", "zygote_fork_move", "zygote_fork_check"}
 
 // step adds the time since *t to step i and restarts *t.
 func (s *forkSteps) step(i int, t *time.Time) {
@@ -312,22 +342,15 @@ func (s *forkSteps) step(i int, t *time.Time) {
 	*t = now
 }
 
-// capture forks the zygote of a stopped process into a frozen cgroup of its own, and
-// records the process's extended processor state for a rewind (xstate).
+// capture forks the zygote of a stopped process into its frozen cgroup (made by
+// prepare), and records the process's extended processor state for a rewind (xstate).
 func capture(p *ptrace.Tracee, zp *Proc, xstate bool, steps *forkSteps) error {
 	t := time.Now()
-	if err := os.MkdirAll(zp.Cgroup, 0o755); err != nil {
-		return fmt.Errorf("zygote cgroup: %w", err)
-	}
-	if err := freezer.Write(zp.Cgroup, freezer.Frozen); err != nil {
-		return fmt.Errorf("zygote cgroup: %w", err)
-	}
-	steps.step(0, &t)
 	z, err := p.Fork(unix.CLONE_PARENT)
 	if err != nil {
 		return err
 	}
-	steps.step(1, &t)
+	steps.step(0, &t)
 	// Out of the process's session and group: as their member the zygote would keep
 	// the process's PID allocated (a session ID), and a rollback could not give it back.
 	// Until Detach the zygote's registers are those of the injected clone's return: if
@@ -344,7 +367,7 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool, steps *forkSteps) error {
 		z.Detach()
 		return fmt.Errorf("prctl in the zygote of %d: %w", p.Pid, err)
 	}
-	steps.step(2, &t)
+	steps.step(1, &t)
 	// Into the frozen cgroup before it gets the process's registers: from Detach on, it
 	// freezes before it runs an instruction (and if cairn dies, the kernel detaches it
 	// into the freezer too).
@@ -353,10 +376,11 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool, steps *forkSteps) error {
 		z.Detach()
 		return fmt.Errorf("freeze zygote: %w", err)
 	}
-	steps.step(3, &t)
-	if zp.Zygote, err = isolation.ProcOf(z.Pid); err == nil {
-		zp.ZygoteNSPid, err = NSPid(z.Pid)
-	}
+	steps.step(2, &t)
+	// Its PID in the sandbox is what the clone returned in the process (CLONE_PARENT: a
+	// sibling, in the same pid namespace).
+	zp.Zygote, err = isolation.ProcOf(z.Pid)
+	zp.ZygoteNSPid = z.ClonedAs
 	if err == nil {
 		zp.zygoteMaps, err = sameMappings(p.Pid, zp.maps, z.Pid)
 	}
@@ -369,7 +393,7 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool, steps *forkSteps) error {
 	if derr := z.Detach(); err == nil {
 		err = derr
 	}
-	steps.step(4, &t)
+	steps.step(3, &t)
 	if err != nil {
 		unix.Kill(z.Pid, unix.SIGKILL)
 		return err

@@ -633,10 +633,14 @@ func (pl *plan) apply(p *ptrace.Tracee, rp *Proc, phase func(string, time.Durati
 	}
 	report(phase, "memory_calls", t)
 	t = time.Now()
-	if err := copyPages(pl.zygote, p.Pid, pl.copy); err != nil {
+	read, err := copyPages(pl.zygote, p.Pid, pl.copy)
+	if err != nil {
 		return err
 	}
 	report(phase, "memory_copy", t)
+	if phase != nil {
+		phase("memory_copy_read", read)
+	}
 	p.SetRegs(*rp.Regs)
 	if err := p.SetXstate(rp.Xstate); err != nil {
 		return err
@@ -660,14 +664,15 @@ const (
 // reads, and a pin of an anonymous page shared by a fork makes the kernel unshare it
 // first (copy it into the process read), so that every page read from a zygote became
 // a private copy of it. Comparing the process's pages with the zygote's before writing
-// (to write only those that differ) cost more reading than the writes it saved.
-func copyPages(from, to int, s dirty.Set) error {
+// (to write only those that differ) cost more reading than the writes it saved. It
+// returns the time spent reading.
+func copyPages(from, to int, s dirty.Set) (read time.Duration, err error) {
 	if len(s) == 0 {
-		return nil
+		return 0, nil
 	}
 	mem, err := os.Open(procDir(from) + "/mem")
 	if err != nil {
-		return fmt.Errorf("read the zygote's memory: %w", err)
+		return 0, fmt.Errorf("read the zygote's memory: %w", err)
 	}
 	defer mem.Close()
 	buf := make([]byte, min(int(s.Bytes()), copyBatch))
@@ -685,21 +690,23 @@ func copyPages(from, to int, s dirty.Set) error {
 		for a := r.Start; a < r.End; {
 			n := min(int(r.End-a), len(buf)-used)
 			b := buf[used : used+n]
+			t := time.Now()
 			if _, err := mem.ReadAt(b, int64(a)); err != nil {
-				return fmt.Errorf("read the zygote's memory at %#x: %w", a, err)
+				return read, fmt.Errorf("read the zygote's memory at %#x: %w", a, err)
 			}
+			read += time.Since(t)
 			local = append(local, unix.Iovec{Base: &b[0], Len: uint64(n)})
 			remote = append(remote, unix.RemoteIovec{Base: uintptr(a), Len: n})
 			used += n
 			a += uint64(n)
 			if used == len(buf) || len(remote) == copyRanges {
 				if err := flush(); err != nil {
-					return err
+					return read, err
 				}
 			}
 		}
 	}
-	return flush()
+	return read, flush()
 }
 
 // write writes local's bytes to the ranges remote of process pid.
