@@ -14,8 +14,10 @@ import (
 // switch. So while it is traced, a tracee runs on its tracer's CPU only: measured on
 // the 2-vCPU machines of the benchmarks, an injected getppid took 79 µs p50 (p90 104)
 // across CPUs and 33-38 µs (p90 39) on one. The tracer's thread stays on the CPU it was
-// on for the length of a Do; the tracee's own affinity is given back by Detach (and by
-// the detach of a forgotten tracee).
+// on for the length of a Do (left free to move, it was slower: W1, three alternating
+// pairs, checkpoint 18.4 against 16.5 ms p50, the injected calls 1.9-2.5 against
+// 1.6-1.8 ms); the tracee's own affinity is given back by Detach (and by the detach of
+// a forgotten tracee).
 //
 // Except for a clone: the tracee gets its own affinity back before one (and its copy is
 // born with it), and runs it where the scheduler puts it. A fork of a large process is
@@ -61,23 +63,26 @@ func currentCPU() (int, error) {
 	return int(cpu), nil
 }
 
-// colocate makes the tracee run on the tracer's CPU, its own affinity kept for unpin.
-// It is best effort: a tracee that may not run there (its cpuset) runs where it may.
+// colocate makes the tracee run on the tracer's CPU, its own affinity kept for unpin
+// (and follows the tracer, should its thread not be pinned). It is best effort: a
+// tracee that may not run there (its cpuset) runs where it may.
 func (t *Tracee) colocate() {
-	if t.pinned || !colocation {
+	if !colocation {
 		return
 	}
 	cpu, err := currentCPU()
-	if err != nil {
+	if err != nil || (t.pinned && t.cpu == cpu) {
 		return
 	}
-	if err := unix.SchedGetaffinity(t.Pid, &t.mask); err != nil {
-		return
+	if !t.pinned {
+		if err := unix.SchedGetaffinity(t.Pid, &t.mask); err != nil {
+			return
+		}
 	}
 	var set unix.CPUSet
 	set.Set(cpu)
 	if unix.SchedSetaffinity(t.Pid, &set) == nil {
-		t.pinned = true
+		t.pinned, t.cpu = true, cpu
 	}
 }
 

@@ -180,13 +180,17 @@ type Scratch struct {
 // BorrowStack lends size bytes of the tracee's own stack, from its stack pointer up, as
 // scratch memory: what they hold is saved, and Free writes it back. The tracee is
 // stopped and does not read them meanwhile, and an injected call does not touch the
-// stack, so it never sees the change. It costs two accesses to the tracee's memory
+// stack, so it never sees the change. It costs a few accesses to the tracee's memory
 // instead of an injected mmap and munmap. It fails where the stack pointer has not
-// size readable bytes above it; the caller then maps a page (MapScratch).
+// size readable and writable bytes above it (they are written back as they are, to
+// know); the caller then maps a page (MapScratch).
 func (t *Tracee) BorrowStack(size int) (*Scratch, error) {
 	regs := t.Regs()
 	lent := make([]byte, size)
 	if err := t.ReadMem(regs.Rsp, lent); err != nil {
+		return nil, err
+	}
+	if err := t.WriteMem(regs.Rsp, lent); err != nil {
 		return nil, err
 	}
 	return &Scratch{t: t, Addr: regs.Rsp, Size: size, lent: lent}, nil

@@ -332,14 +332,13 @@ func forkAs(z *ptrace.Tracee, p *Proc, o SpawnOptions) (*ptrace.Tracee, error) {
 		if err != nil {
 			return nil, err
 		}
-		got, err := NSPid(c.Pid)
-		if err == nil && got == nsPid {
+		// The clone returned the new process's PID in the sandbox to the zygote (its
+		// sibling: the same pid namespace).
+		got := c.ClonedAs
+		if got == nsPid {
 			return c, nil
 		}
 		c.Kill()
-		if err != nil {
-			return nil, err
-		}
 		if time.Now().After(deadline) {
 			return nil, fmt.Errorf("the new process got PID %d, not %d: the PID is taken (%s)", got, nsPid, holderOf(z.Pid, nsPid))
 		}
@@ -435,8 +434,13 @@ func fixup(c, z *ptrace.Tracee, p *Proc) error {
 		if s != nil {
 			return s, nil
 		}
+		// Bytes of the process's stack, given back at the end, rather than a page mapped
+		// and unmapped by two more injected calls; a page where the stack cannot lend
+		// them.
 		var err error
-		s, err = c.MapScratch(8192)
+		if s, err = c.BorrowStack(8192); err != nil {
+			s, err = c.MapScratch(8192)
+		}
 		return s, err
 	}
 	defer func() {
