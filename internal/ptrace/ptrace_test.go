@@ -381,11 +381,7 @@ func TestForkCopiesProcess(t *testing.T) {
 		if z.ClonedAs != z.Pid { // the same pid namespace as ours
 			return fmt.Errorf("the clone returned %d to the process, want the copy's PID %d", z.ClonedAs, z.Pid)
 		}
-		z.SetRegs(tc.Regs())
-		if err := z.Detach(); err != nil {
-			return err
-		}
-		return tc.Detach()
+		return runBoth(tc, z)
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -506,11 +502,7 @@ func TestColocate(t *testing.T) {
 			return err
 		}
 		copyPinned = affinity(z.Pid)
-		z.SetRegs(tc.Regs())
-		if err := z.Detach(); err != nil {
-			return err
-		}
-		return tc.Detach()
+		return runBoth(tc, z)
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -533,4 +525,14 @@ func TestColocate(t *testing.T) {
 	if got := c.ask(t); len(got) != 3 || got[2] != "2" {
 		t.Errorf("the process answers %v after being traced", got)
 	}
+}
+
+// runBoth gives the copy z the registers of the process tc it was forked from, and
+// detaches both: they run on as two copies.
+func runBoth(tc, z *Tracee) error {
+	z.SetRegs(tc.Regs())
+	if err := z.Detach(); err != nil {
+		return err
+	}
+	return tc.Detach()
 }
