@@ -92,6 +92,14 @@ func sandbox(t *testing.T, h Harness) string {
 	return sb.ID
 }
 
+// replSandbox creates a sandbox (removed when the test ends) running a Python REPL
+// (python3 -i -u, for ask), and returns both.
+func replSandbox(t *testing.T, h Harness) (id, repl string) {
+	t.Helper()
+	id = sandbox(t, h)
+	return id, spawn(t, h, id, "python3", "-i", "-u")
+}
+
 // run runs a command to completion and returns its exit code and output.
 func run(t *testing.T, h Harness, id string, args ...string) (int, string, string) {
 	t.Helper()

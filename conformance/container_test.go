@@ -134,8 +134,7 @@ func TestContainerRewindFails(t *testing.T) {
 	if !h.Rewinds {
 		t.Skip("this kernel does not rewind processes in place")
 	}
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, `a = bytearray(4 << 20); a[7] = 1`)
 	ck1 := checkpoint(t, h, id, "one")
 	ask(t, h, id, p, `a[7] = 2; b = [str(i) for i in range(50000)]`)

@@ -31,8 +31,7 @@ func testFileOffset(t *testing.T, h Harness) {
 }
 
 func testPipeBuffer(t *testing.T, h Harness) {
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, `import os; r, w = os.pipe(); os.write(w, b"unread")`)
 	ck := checkpoint(t, h, id, "pipe-full")
 	want(t, "drain after checkpoint", ask(t, h, id, p, `print(os.read(r, 100))`), "b'unread'")
@@ -63,8 +62,7 @@ func testPipeBuffer(t *testing.T, h Harness) {
 
 func testLateChild(t *testing.T, h Harness) {
 	ctx := context.Background()
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, `import subprocess`)
 	ck := checkpoint(t, h, id, "no-children")
 	late := spawn(t, h, id, "sleep", "1000")
@@ -115,8 +113,7 @@ func testManyRollbacks(t *testing.T, h Harness) {
 		n = 50
 	}
 	ctx := context.Background()
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 7")
 	ck := checkpoint(t, h, id, "base")
 	measure := func() (fds, trees, roots int, heap uint64, procs int, rss int64) {

@@ -119,8 +119,7 @@ func errorsIsNotFound(err error) bool { return errdefs.Code(err) == "not_found" 
 func testResume(t *testing.T, h Harness) {
 	ctx := context.Background()
 	e := h.Engine
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 'kept'")
 	// Durable: a resident checkpoint is otherwise in memory for a moment after it
 	// returns, and the "reboot" below would take it.

@@ -47,12 +47,9 @@ func wantDumped(t *testing.T, h Harness, ck, because string) {
 }
 
 func testResidentPaths(t *testing.T, h Harness) {
-	if !h.Resident {
-		t.Skip("the engine keeps no checkpoint resident")
-	}
+	requireResident(t, h)
 	ctx := context.Background()
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "import threading, socket; x = 1")
 	resident := checkpoint(t, h, id, "resident")
 	wantResident(t, h, resident)
@@ -152,8 +149,7 @@ func testCrashRollback(t *testing.T, h Harness) {
 		t.Skip("the engine keeps no checkpoint resident")
 	}
 	ctx := context.Background()
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 1")
 	sh(t, h, id, "echo one > /file")
 	good := checkpoint(t, h, id, "good")
@@ -191,8 +187,7 @@ func testCrashRewind(t *testing.T, h Harness) {
 		t.Skip("this backend (or kernel) does not rewind processes in place")
 	}
 	ctx := context.Background()
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	for i, point := range []string{"rewind-begun", "rewind-copied", "rewind-fixed"} {
 		t.Run(point, func(t *testing.T) {
 			x := strconv.Itoa(10 + i)
@@ -256,11 +251,8 @@ for pid in sorted(os.listdir("/proc")):
 // not dumpable, while the processes forked from a zygote are as dumpable as the
 // originals were.
 func testZygotesSealed(t *testing.T, h Harness) {
-	if !h.Resident {
-		t.Skip("the engine keeps no checkpoint resident")
-	}
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	requireResident(t, h)
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 1")
 	ck := checkpoint(t, h, id, "sealed")
 	wantResident(t, h, ck)
@@ -365,9 +357,7 @@ func testRewind(t *testing.T, h Harness) {
 // copy under another PID, which, killed while init is frozen, would hold that PID in
 // turn, the next process's. The checkpoint's two processes have adjacent PIDs.
 func testPidHeld(t *testing.T, h Harness) {
-	if !h.Resident {
-		t.Skip("no resident checkpoints")
-	}
+	requireResident(t, h)
 	ctx := context.Background()
 	id := sandbox(t, h)
 	sb, err := h.Engine.Get(ctx, id)
@@ -434,12 +424,9 @@ func testPidHeld(t *testing.T, h Harness) {
 // and keep the sandbox's other checkpoints resident, rather than start a new init,
 // which would first make every resident checkpoint durable.
 func testSpawnFails(t *testing.T, h Harness) {
-	if !h.Resident {
-		t.Skip("no resident checkpoints")
-	}
+	requireResident(t, h)
 	ctx := context.Background()
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 1")
 	target := checkpoint(t, h, id, "x1")
 	ask(t, h, id, p, "x = 2")
@@ -476,4 +463,13 @@ func testSpawnFails(t *testing.T, h Harness) {
 	// And the other checkpoint is still rolled back to through its zygotes.
 	rollback(t, h, id, other)
 	want(t, "x after the rollback to the other", ask(t, h, id, p, "print(x)"), "2")
+}
+
+// requireResident skips a test of resident checkpoints under a harness whose engine
+// keeps none (no standby, warm pools: every checkpoint is a CRIU dump).
+func requireResident(t *testing.T, h Harness) {
+	t.Helper()
+	if !h.Resident {
+		t.Skip("the engine keeps no checkpoint resident")
+	}
 }

@@ -78,8 +78,7 @@ func testCrash(t *testing.T, h Harness) {
 		t.Fatal("the harness has no crash runner")
 	}
 	ctx := context.Background()
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 1")
 	good := checkpoint(t, h, id, "good")
 	points := []string{"checkpoint-stopped", "checkpoint-frozen", "checkpoint-staged", "checkpoint-published"}

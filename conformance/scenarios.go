@@ -13,8 +13,7 @@ import (
 )
 
 func testREPLRollback(t *testing.T, h Harness) {
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 41")
 	sh(t, h, id, "echo one > /workspace/note")
 	c1 := checkpoint(t, h, id, "before")
@@ -35,8 +34,7 @@ func testREPLRollback(t *testing.T, h Harness) {
 }
 
 func testSQLite(t *testing.T, h Harness) {
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, `import sqlite3
 db = sqlite3.connect("/workspace/db.sqlite", isolation_level=None)
 db.execute("create table t(i integer)")
@@ -57,8 +55,7 @@ db.executemany("insert into t values(?)", [(i,) for i in range(100, 150)])`)
 }
 
 func testLoopback(t *testing.T, h Harness) {
-	id := sandbox(t, h)
-	srv := spawn(t, h, id, "python3", "-i", "-u")
+	id, srv := replSandbox(t, h)
 	cli := spawn(t, h, id, "python3", "-i", "-u")
 	ask(t, h, id, srv, `import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -83,8 +80,7 @@ c = socket.create_connection(("127.0.0.1", 9000))`)
 }
 
 func testThreads(t *testing.T, h Harness) {
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, `import threading, time
 counts = [0] * 4
 ev = threading.Event()
@@ -112,8 +108,7 @@ for th in ts + [waiter]: th.start()`)
 }
 
 func testForkDiverges(t *testing.T, h Harness) {
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, `import socket; seen = []`)
 	sh(t, h, id, "echo origin > /workspace/ids")
 	ck := checkpoint(t, h, id, "pre-fork")
@@ -136,8 +131,7 @@ func testForkDiverges(t *testing.T, h Harness) {
 }
 
 func testRandomRollbacks(t *testing.T, h Harness) {
-	id := sandbox(t, h)
-	p := spawn(t, h, id, "python3", "-i", "-u")
+	id, p := replSandbox(t, h)
 	ask(t, h, id, p, "x = 0; g = iter(range(10**9))")
 	var cks []string
 	for i := 0; i < 20; i++ {

@@ -63,27 +63,22 @@ func currentCPU() (int, error) {
 	return int(cpu), nil
 }
 
-// colocate makes the tracee run on the tracer's CPU, its own affinity kept for unpin
-// (and follows the tracer, should its thread not be pinned). It is best effort: a
-// tracee that may not run there (its cpuset) runs where it may.
+// colocate makes the tracee run on the tracer's CPU, its own affinity kept for unpin.
+// It is best effort: a tracee that may not run there (its cpuset) runs where it may.
 func (t *Tracee) colocate() {
-	if !colocation {
+	if t.pinned || !colocation {
 		return
 	}
 	cpu, err := currentCPU()
-	if err != nil || (t.pinned && t.cpu == cpu) {
+	if err != nil {
 		return
 	}
-	if !t.pinned {
-		if err := unix.SchedGetaffinity(t.Pid, &t.mask); err != nil {
-			return
-		}
+	if err := unix.SchedGetaffinity(t.Pid, &t.mask); err != nil {
+		return
 	}
 	var set unix.CPUSet
 	set.Set(cpu)
-	if unix.SchedSetaffinity(t.Pid, &set) == nil {
-		t.pinned, t.cpu = true, cpu
-	}
+	t.pinned = unix.SchedSetaffinity(t.Pid, &set) == nil
 }
 
 // unpin gives the tracee its own CPU affinity back.

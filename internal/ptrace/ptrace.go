@@ -147,10 +147,9 @@ type Tracee struct {
 	// parked holds the tracee's own registers while it is parked (Park); saved then
 	// holds the parking call.
 	parked *unix.PtraceRegs
-	// pinned says the tracee runs on CPU cpu only (colocate); mask is its own CPU
-	// affinity, which Detach gives back.
+	// pinned says the tracee runs on its tracer's CPU only (colocate); mask is its own
+	// CPU affinity, which Detach gives back.
 	pinned bool
-	cpu    int
 	mask   unix.CPUSet
 }
 

@@ -183,7 +183,7 @@ type Scratch struct {
 // stack, so it never sees the change. It costs a few accesses to the tracee's memory
 // instead of an injected mmap and munmap. It fails where the stack pointer has not
 // size readable and writable bytes above it (they are written back as they are, to
-// know); the caller then maps a page (MapScratch).
+// know); Scratch then maps a page instead.
 func (t *Tracee) BorrowStack(size int) (*Scratch, error) {
 	regs := t.Regs()
 	lent := make([]byte, size)
@@ -194,6 +194,16 @@ func (t *Tracee) BorrowStack(size int) (*Scratch, error) {
 		return nil, err
 	}
 	return &Scratch{t: t, Addr: regs.Rsp, Size: size, lent: lent}, nil
+}
+
+// Scratch returns size bytes of scratch memory in the tracee: bytes of its stack where
+// it can lend them (BorrowStack), else a page mapped for them (MapScratch). Free gives
+// them back.
+func (t *Tracee) Scratch(size int) (*Scratch, error) {
+	if s, err := t.BorrowStack(size); err == nil {
+		return s, nil
+	}
+	return t.MapScratch(size)
 }
 
 // MapScratch maps size bytes of scratch memory into the tracee.

@@ -420,26 +420,14 @@ func sameMappings(pid int, a []mapping, zygote int) ([]mapping, error) {
 // signal and the child-subreaper flag (recorded, set again by Spawn); and, for a rewind
 // (brk), the program break.
 func inherited(p *ptrace.Tracee, zp *Proc, brk bool) error {
-	// The calls' results (32 bytes at most, one at a time) go to bytes of the process's
-	// stack, given back afterwards; a page is mapped where they cannot be borrowed. A
-	// call that cannot write them fails with EFAULT, and the scan is made again on a page.
-	s, err := p.BorrowStack(32)
-	if err == nil {
-		if err = inheritedWith(p, zp, brk, s); !errors.Is(err, unix.EFAULT) {
-			return err
-		}
-	}
-	if s, err = p.MapScratch(4096); err != nil {
+	// The calls' results, 32 bytes at most, one at a time.
+	s, err := p.Scratch(32)
+	if err != nil {
 		return err
 	}
-	return inheritedWith(p, zp, brk, s)
-}
-
-// inheritedWith is inherited with the scratch memory s, which it frees. A failure to free
-// it wins over the calls' (and is no EFAULT to retry on): the process must not run on
-// with the scratch memory's changes.
-func inheritedWith(p *ptrace.Tracee, zp *Proc, brk bool, s *ptrace.Scratch) error {
-	err := readInherited(p, zp, brk, s)
+	err = readInherited(p, zp, brk, s)
+	// A failure to give the scratch memory back wins: the process must not run on with
+	// its changes.
 	if ferr := s.Free(); ferr != nil {
 		return fmt.Errorf("give back the scratch memory of %d: %v", p.Pid, ferr)
 	}

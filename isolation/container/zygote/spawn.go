@@ -434,13 +434,8 @@ func fixup(c, z *ptrace.Tracee, p *Proc) error {
 		if s != nil {
 			return s, nil
 		}
-		// Bytes of the process's stack, given back at the end, rather than a page mapped
-		// and unmapped by two more injected calls; a page where the stack cannot lend
-		// them.
 		var err error
-		if s, err = c.BorrowStack(8192); err != nil {
-			s, err = c.MapScratch(8192)
-		}
+		s, err = c.Scratch(8192)
 		return s, err
 	}
 	defer func() {
