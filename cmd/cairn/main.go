@@ -20,6 +20,7 @@ import (
 	"github.com/cairn-sandbox/cairn/client"
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/memtune"
 )
 
 // app is the state shared by the commands of one invocation.
@@ -241,6 +242,7 @@ func wantsJSON(args []string) bool {
 }
 
 func main() {
+	memtune.Apply()
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	a := &app{jsonHint: wantsJSON(os.Args[1:])}
 	cmd, err := newRootCmd(a).ExecuteContextC(ctx)

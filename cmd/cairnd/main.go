@@ -17,12 +17,14 @@ import (
 	"github.com/cairn-sandbox/cairn/api"
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/memtune"
 	"github.com/cairn-sandbox/cairn/template"
 )
 
 var version = "dev"
 
 func main() {
+	memtune.Apply()
 	var (
 		cfg       api.ServeConfig
 		tokenFile string

@@ -1,6 +1,7 @@
 package zygote
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -396,28 +397,42 @@ func (zv *zygoteView) load(z int) error {
 	return nil
 }
 
-// statusFields reads /proc/<pid>/status into a map.
-func statusFields(pid int) (map[string]string, error) {
-	b, err := readProc(procDir(pid) + "/status")
-	if err != nil {
-		return nil, err
+// statusKeys are the fields of /proc/<pid>/status a rewind reads: sameStatus, and those
+// check tests.
+var statusKeys = func() map[string]bool {
+	m := map[string]bool{"Threads": true, "SigPnd": true, "ShdPnd": true}
+	for _, k := range sameStatus {
+		m[k] = true
 	}
-	m := map[string]string{}
-	for _, l := range strings.Split(string(b), "\n") {
-		if k, v, ok := strings.Cut(l, ":"); ok {
-			m[k] = strings.TrimSpace(v)
+	return m
+}()
+
+// statusFields reads the statusKeys of /proc/<pid>/status into a map.
+func statusFields(pid int) (m map[string]string, err error) {
+	m = make(map[string]string, len(statusKeys))
+	err = readProc(procDir(pid)+"/status", func(b []byte) error {
+		for len(b) > 0 {
+			var l []byte
+			l, b, _ = bytes.Cut(b, []byte{'\n'})
+			if k, v, ok := bytes.Cut(l, []byte{':'}); ok && statusKeys[string(k)] {
+				m[string(k)] = string(bytes.TrimSpace(v))
+			}
 		}
-	}
-	return m, nil
+		return nil
+	})
+	return m, err
 }
 
 // procFile reads /proc/<pid>/<name> (a symbolic link's target for "root").
-func procFile(pid int, name string) (string, error) {
+func procFile(pid int, name string) (s string, err error) {
 	if name == "root" {
 		return os.Readlink(procDir(pid) + "/root")
 	}
-	b, err := readProc(procDir(pid) + "/" + name)
-	return string(b), err
+	err = readProc(procDir(pid)+"/"+name, func(b []byte) error {
+		s = string(b)
+		return nil
+	})
+	return s, err
 }
 
 // sameFds checks that the process holds the descriptors it held at the checkpoint, each
@@ -510,15 +525,14 @@ func prot(m mapping) int {
 
 // readMaps parses /proc/<pid>/maps.
 func readMaps(pid int) ([]mapping, error) {
-	b, err := readProc(procDir(pid) + "/maps")
-	if err != nil {
-		return nil, err
-	}
-	ms, err := dirty.ParseMaps(b)
-	if err != nil {
-		return nil, fmt.Errorf("maps of %d: %w", pid, err)
-	}
-	return ms, nil
+	var ms []mapping
+	err := readProc(procDir(pid)+"/maps", func(b []byte) (err error) {
+		if ms, err = dirty.ParseMaps(b); err != nil {
+			return fmt.Errorf("maps of %d: %w", pid, err)
+		}
+		return nil
+	})
+	return ms, err
 }
 
 // byKey groups mappings by key, as sets of addresses.
@@ -675,7 +689,12 @@ func copyPages(from, to int, s dirty.Set) (read time.Duration, err error) {
 		return 0, fmt.Errorf("read the zygote's memory: %w", err)
 	}
 	defer mem.Close()
-	buf := make([]byte, min(int(s.Bytes()), copyBatch))
+	buf, err := getCopyBuffer()
+	if err != nil {
+		return 0, fmt.Errorf("map a buffer for the copy: %w", err)
+	}
+	defer putCopyBuffer(buf)
+	buf = buf[:min(int(s.Bytes()), copyBatch)]
 	var local []unix.Iovec
 	var remote []unix.RemoteIovec
 	used := 0

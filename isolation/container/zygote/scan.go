@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -404,32 +405,44 @@ func scanMaps(pid int) ([]Map, []mapping, error) {
 	return out, ms, nil
 }
 
-// readProc reads a /proc file of unknown size in reads of 64 KiB: each read of a
-// seq_file walks its records again from where the last stopped, and a process's maps
-// read line by line took 140-170 µs against 45 µs in large reads (a Python process of
-// 31 mappings). A read returns at most one page-sized buffer of records (~4 KiB), so it
-// reads on until end of file: a single read missed the mappings after the first ~50.
-func readProc(name string) ([]byte, error) {
-	f, err := os.Open(name)
+// readProc calls f with the content of a /proc file of unknown size, read in reads of
+// 64 KiB or more: each read of a seq_file walks its records again from where the last
+// stopped, and a process's maps read line by line took 140-170 µs against 45 µs in large
+// reads (a Python process of 31 mappings). A read returns at most one page-sized buffer
+// of records (~4 KiB), so it reads on until end of file: a single read missed the
+// mappings after the first ~50. The buffer is reused (procBufs): f must not keep it.
+// A buffer of 64 KiB made for each read was a tenth of what cairn allocated in W1, and
+// with it the collections that ran during checkpoints and rewinds (package memtune).
+func readProc(name string, f func([]byte) error) error {
+	fd, err := os.Open(name)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	defer f.Close()
-	buf := make([]byte, 0, 64<<10)
+	defer fd.Close()
+	bp := procBufs.Get().(*[]byte)
+	defer procBufs.Put(bp)
+	buf := (*bp)[:0]
 	for {
 		if len(buf) == cap(buf) {
 			buf = slices.Grow(buf, cap(buf))
+			*bp = buf
 		}
-		n, err := f.Read(buf[len(buf):cap(buf)])
+		n, err := fd.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
 		if errors.Is(err, io.EOF) || (err == nil && n == 0) {
-			return buf, nil
+			return f(buf)
 		}
 		if err != nil {
-			return nil, err
+			return err
 		}
 	}
 }
+
+// procBufs are readProc's buffers.
+var procBufs = sync.Pool{New: func() any {
+	b := make([]byte, 0, 64<<10)
+	return &b
+}}
 
 func orAnon(path string) string {
 	if path == "" {

@@ -24,18 +24,60 @@ func TestReadProcWhole(t *testing.T) {
 		}
 		defer unix.Munmap(m)
 	}
-	got, err := readProc("/proc/self/maps")
+	// The Go runtime maps memory of its own at any time: the file is read again
+	// until it held still around readProc's read.
+	for try := 0; ; try++ {
+		before, err := os.ReadFile("/proc/self/maps")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(before) < 3*4096 {
+			t.Fatalf("maps holds only %d bytes: the test needs more than a page of them", len(before))
+		}
+		got, err := readProcBytes("/proc/self/maps")
+		if err != nil {
+			t.Fatal(err)
+		}
+		after, err := os.ReadFile("/proc/self/maps")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(before, after) && try < 10 {
+			continue
+		}
+		if !bytes.Equal(got, after) {
+			t.Fatalf("readProc read %d bytes of maps, the whole file has %d", len(got), len(after))
+		}
+		return
+	}
+}
+
+// TestReadProcGrows reads a /proc file larger than readProc's first buffer (64 KiB),
+// twice: the second read gets the buffer the first grew.
+func TestReadProcGrows(t *testing.T) {
+	want, err := os.ReadFile("/proc/kallsyms")
 	if err != nil {
 		t.Fatal(err)
 	}
-	want, err := os.ReadFile("/proc/self/maps")
-	if err != nil {
-		t.Fatal(err)
+	if len(want) < 64<<10 {
+		t.Fatalf("/proc/kallsyms holds only %d bytes: the test needs more than 64 KiB", len(want))
 	}
-	if len(want) < 3*4096 {
-		t.Fatalf("maps holds only %d bytes: the test needs more than a page of them", len(want))
+	for i := 0; i < 2; i++ {
+		got, err := readProcBytes("/proc/kallsyms")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("read %d: readProc read %d bytes of /proc/kallsyms, the whole file has %d", i, len(got), len(want))
+		}
 	}
-	if !bytes.Equal(got, want) {
-		t.Fatalf("readProc read %d bytes of maps, the whole file has %d", len(got), len(want))
-	}
+}
+
+// readProcBytes returns a copy of what readProc reads.
+func readProcBytes(name string) (got []byte, err error) {
+	err = readProc(name, func(b []byte) error {
+		got = bytes.Clone(b)
+		return nil
+	})
+	return got, err
 }

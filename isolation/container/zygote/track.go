@@ -102,6 +102,7 @@ func (ts *Tracks) captured(rec *Record, pids []int) {
 	if ts == nil {
 		return
 	}
+	warmCopyBuffer()
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
 	var zs []Proc
