@@ -448,9 +448,11 @@ func (e *Engine) rollbackResident(ctx context.Context, r isolation.Resident, sb 
 	}
 	isb := e.isb(sb)
 	dir := e.imagesPath(ck.Images)
+	t := time.Now()
 	if !r.IsResident(isb, dir) {
 		return false, nil
 	}
+	phase.Since(ctx, "is_resident", t)
 	return e.rollbackInPlace(ctx, sb, ck, "resident-rollback-killed", func(st *Stats) { st.ResidentRollbacks++ },
 		func(hooks isolation.RollbackHooks) error {
 			if err := r.RollbackResident(ctx, isb, dir, hooks); err != nil {
@@ -499,9 +501,11 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	if !ok {
 		return false, nil
 	}
+	t := time.Now()
 	if err := markRollback(e.cfg.DataDir, sb.ID, ck.ID); err != nil {
 		return false, err
 	}
+	phase.Since(ctx, "mark", t)
 	var hooks isolation.RollbackHooks
 	pl := e.planRevert(ctx, sb, ck)
 	if pl != nil {
@@ -548,7 +552,7 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 	if err != nil {
 		return false, err
 	}
-	t := time.Now()
+	t = time.Now()
 	sb.Head = ck.ID
 	if err := e.db.PutSandbox(ctx, sb); err != nil {
 		return false, err

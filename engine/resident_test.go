@@ -1,12 +1,15 @@
 package engine_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +17,7 @@ import (
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/engine/model"
 	"github.com/cairn-sandbox/cairn/errdefs"
+	"github.com/cairn-sandbox/cairn/internal/phase"
 	"github.com/cairn-sandbox/cairn/internal/testenv"
 )
 
@@ -598,4 +602,67 @@ func residentCheckpoint(t *testing.T, e *engine.Engine, id string) *model.Checkp
 		t.Fatalf("checkpoint: method %s (%s), want zygote", ck.Method, got.MethodReason)
 	}
 	return ck
+}
+
+// TestRewindBesideDurableCopy rolls back to a resident checkpoint while the durable copy
+// of that very checkpoint is being dumped (CRIU inside the sandbox holds its zygotes):
+// the rewind in place shares the zygotes with the dump instead of waiting for it (which
+// took the rollback ~100 ms), so the dump is still under way when the rollback returns;
+// the state comes back, and the copy completes.
+func TestRewindBesideDurableCopy(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	// 64 MiB for CRIU to dump: a copy of some 100 ms.
+	r.ask("x = 1\nbig = bytearray(b'z' * (64 << 20))")
+	c1 := residentCheckpoint(t, e, sb.ID)
+	r.ask("x = 2")
+	cur, err := e.Get(ctx, sb.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	procs := filepath.Join("/sys/fs/cgroup/freezer/cairn-criu", filepath.Base(cur.Root), "cgroup.procs")
+	dumping := func() bool {
+		b, _ := os.ReadFile(procs)
+		return len(bytes.TrimSpace(b)) > 0
+	}
+	for deadline := time.Now().Add(10 * time.Second); !dumping(); time.Sleep(200 * time.Microsecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the durable copy of the checkpoint did not begin within 10 s")
+		}
+	}
+	var mu sync.Mutex
+	var phases []string
+	pctx := phase.With(ctx, func(name string, d time.Duration) {
+		mu.Lock()
+		phases = append(phases, name)
+		mu.Unlock()
+	})
+	if err := e.Rollback(pctx, sb.ID, c1.ID); err != nil {
+		t.Fatal(err)
+	}
+	still := dumping()
+	mu.Lock()
+	rewound := slices.Contains(phases, "rewound")
+	mu.Unlock()
+	if !rewound {
+		t.Fatalf("the rollback was not rewound in place (phases %v)", phases)
+	}
+	if !still {
+		t.Fatal("the durable copy had ended when the rollback returned: the rollback waited for it")
+	}
+	if got := r.ask("print(x, len(big))"); got != fmt.Sprint(1, 64<<20) {
+		t.Fatalf("after the rollback: %q, want %q", got, fmt.Sprint(1, 64<<20))
+	}
+	e.Quiesce()
+	if ck, err := e.GetCheckpoint(ctx, c1.ID); err != nil || ck.Method != "zygote-criu" {
+		t.Fatalf("checkpoint after its durable copy: %+v, %v; want method zygote-criu", ck, err)
+	}
+	r.ask("x = 3")
+	if err := e.Rollback(ctx, sb.ID, c1.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.ask("print(x)"); got != "1" {
+		t.Fatalf("after a second rollback: %q, want 1", got)
+	}
 }

@@ -125,6 +125,23 @@ func holdCRIU(cgroup string) (func(), error) {
 	return func() { freezer.Write(dir, freezer.Thawed) }, nil
 }
 
+// holdCRIUSoon asks the sandbox's background CRIU, if one runs, to freeze, without
+// waiting: it returns the thaw, and held, which waits until the freeze is complete.
+// What only needs CRIU off the CPUs (a checkpoint's stop, a rewind in place) goes on at
+// once; what needs it frozen (the PIDs a rollback's forks take) calls held first. A
+// CRIU in the middle of a write took up to 2 ms to freeze, ~1 rollback in 10 of W1.
+func holdCRIUSoon(cgroup string) (release func(), held func() error) {
+	dir := criuDir(cgroup)
+	if len(freezer.Procs(dir)) == 0 {
+		return func() {}, func() error { return nil }
+	}
+	release = func() { freezer.Write(dir, freezer.Thawed) }
+	if err := freezer.Write(dir, freezer.Frozen); err != nil {
+		return release, func() error { return err }
+	}
+	return release, func() error { return freezer.Set(dir, freezer.Frozen) }
+}
+
 // specOf is what the images of p's zygote must become.
 func specOf(p zygote.Proc) fixup.Spec {
 	s := fixup.Spec{Pid: p.NSPid, Cwd: p.Cwd.Path, Exe: p.Exe, PdeathSig: p.PdeathSig, ChildSubreaper: p.ChildSubreaper, Dumpable: p.Dumpable}

@@ -125,3 +125,34 @@ func TestRecoverReleasesHeldCRIU(t *testing.T) {
 		t.Fatalf("after Recover the background CRIU is %s, want %s", got, freezer.Thawed)
 	}
 }
+
+// TestHoldCRIUSoon checks the hold that does not wait: the background CRIU is asked to
+// freeze, held waits until it is frozen, release thaws it; with no CRIU running there is
+// nothing to hold.
+func TestHoldCRIUSoon(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (cgroups)")
+	}
+	sb := &isolation.Sandbox{ID: "hold-soon-test", Cgroup: "hold-soon-test-" + strconv.Itoa(os.Getpid())}
+	dir := criuDir(sb.CgroupName())
+	release, held := holdCRIUSoon(sb.CgroupName())
+	if err := held(); err != nil {
+		t.Fatalf("held with no CRIU: %v", err)
+	}
+	release()
+	freezertest.Sleeper(t, dir)
+	release, held = holdCRIUSoon(sb.CgroupName())
+	if got := freezer.State(dir); got != "FREEZING" && got != freezer.Frozen {
+		t.Fatalf("asked to hold: %s, want FREEZING or %s", got, freezer.Frozen)
+	}
+	if err := held(); err != nil {
+		t.Fatal(err)
+	}
+	if got := freezer.State(dir); got != freezer.Frozen {
+		t.Fatalf("held: %s, want %s", got, freezer.Frozen)
+	}
+	release()
+	if err := freezer.Wait(dir, freezer.Thawed); err != nil {
+		t.Fatalf("released: %v", err)
+	}
+}

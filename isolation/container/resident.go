@@ -35,9 +35,8 @@ import (
 type residents struct {
 	tracer *ptrace.Tracer
 	mu     sync.Mutex
-	// busy holds a lock per checkpoint directory: a rollback and a durable dump of the
-	// same zygotes take turns; protected by mu.
-	busy map[string]*sync.Mutex
+	// busy holds the locks of each checkpoint directory; protected by mu.
+	busy map[string]*dirLocks
 	// lastPid holds the ns_last_pid helper of each sandbox, by init; protected by mu.
 	lastPid map[isolation.Proc]*lastPidHelper
 	// watched are the sandboxes with zygotes, by cgroup name, and their inits; watching
@@ -175,21 +174,36 @@ func initDying(init isolation.Proc) bool {
 	return flags&pfExiting != 0
 }
 
+// dirLocks are the locks of a checkpoint directory. excl: a durable dump of its
+// zygotes, their end, and a rollback that forks them take turns (dirLock). use: rewinds
+// in place, which only read the zygotes (their memory, their descriptors), share them,
+// even with a dump under way (dirUse); their end waits for the rewinds (dirDrop).
+type dirLocks struct {
+	excl sync.Mutex
+	use  sync.RWMutex
+}
+
+// locksOf returns dir's locks.
+func (r *residents) locksOf(dir string) *dirLocks {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.busy == nil {
+		r.busy = map[string]*dirLocks{}
+	}
+	l := r.busy[dir]
+	if l == nil {
+		l = &dirLocks{}
+		r.busy[dir] = l
+	}
+	return l
+}
+
 // dirLock takes a checkpoint directory's lock: in this process, and across processes
 // sharing the data directory (an flock on the directory: a second engine's recovery
 // must not dump zygotes this one is dumping).
 func (r *residents) dirLock(dir string) func() {
-	r.mu.Lock()
-	if r.busy == nil {
-		r.busy = map[string]*sync.Mutex{}
-	}
-	m := r.busy[dir]
-	if m == nil {
-		m = &sync.Mutex{}
-		r.busy[dir] = m
-	}
-	r.mu.Unlock()
-	m.Lock()
+	l := r.locksOf(dir)
+	l.excl.Lock()
 	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err == nil {
 		for unix.Flock(fd, unix.LOCK_EX) == unix.EINTR {
@@ -199,7 +213,28 @@ func (r *residents) dirLock(dir string) func() {
 		if err == nil {
 			unix.Close(fd)
 		}
-		m.Unlock()
+		l.excl.Unlock()
+	}
+}
+
+// dirUse holds a checkpoint directory's zygotes for a rewind in place: they are not
+// ended (dirDrop) until it is released. Rewinds are this engine's own (its tracks), so
+// the lock is in this process only.
+func (r *residents) dirUse(dir string) func() {
+	l := r.locksOf(dir)
+	l.use.RLock()
+	return l.use.RUnlock
+}
+
+// dirDrop takes a checkpoint directory's lock (dirLock), and waits for the rewinds
+// using its zygotes, to end them.
+func (r *residents) dirDrop(dir string) func() {
+	unlock := r.dirLock(dir)
+	l := r.locksOf(dir)
+	l.use.Lock()
+	return func() {
+		l.use.Unlock()
+		unlock()
 	}
 }
 
@@ -229,14 +264,12 @@ func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox,
 	// A durable copy of an earlier checkpoint (CRIU inside, at nice 19) is held meanwhile:
 	// on two cores its CPU and writes stretched the tail of the checkpoints it overlapped
 	// (W1, A/B in one build: p99 22.5-26.5 ms running, 15.2-19.4 held).
+	// Asked to freeze, not waited for: the capture only needs it off the CPUs.
 	t := time.Now()
-	release, err := holdCRIU(sb.CgroupName())
-	if err != nil {
-		return err
-	}
+	release, _ := holdCRIUSoon(sb.CgroupName())
 	defer release()
 	hooks.Report("hold_criu", t)
-	_, err = zygote.Capture(ctx, b.res.tr(), zygote.CaptureOptions{
+	_, err := zygote.Capture(ctx, b.res.tr(), zygote.CaptureOptions{
 		Init: sb.Init,
 		Procs: func() ([]int, error) {
 			return slices.DeleteFunc(cgroupPids(sb.CgroupName()), func(p int) bool { return p == sb.Init.Pid }), nil
@@ -266,6 +299,19 @@ func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox,
 
 var _ isolation.Resident = (*Backend)(nil)
 
+// residentRecord reads the zygote record in dir, and checks that its zygotes live and
+// are of sb's generation.
+func residentRecord(sb *isolation.Sandbox, dir string) (*zygote.Record, error) {
+	rec, ok, err := zygote.Read(dir)
+	if err != nil {
+		return nil, err
+	}
+	if !ok || rec.Init != sb.Init || !rec.Alive() {
+		return nil, fmt.Errorf("%w: the checkpoint's zygotes are gone or belong to another generation of %s", isolation.ErrNotResident, sb.ID)
+	}
+	return rec, nil
+}
+
 // IsResident implements isolation.Resident.
 func (b *Backend) IsResident(sb *isolation.Sandbox, dir string) bool {
 	rec, ok, err := zygote.Read(dir)
@@ -274,7 +320,7 @@ func (b *Backend) IsResident(sb *isolation.Sandbox, dir string) bool {
 
 // DropResident implements isolation.Resident.
 func (b *Backend) DropResident(dir string) error {
-	defer b.res.dirLock(dir)()
+	defer b.res.dirDrop(dir)()
 	rec, ok, err := zygote.Read(dir)
 	if err != nil || !ok {
 		return err
@@ -284,31 +330,47 @@ func (b *Backend) DropResident(dir string) error {
 }
 
 // RollbackResident implements isolation.Resident.
+//
+// A rewind in place only reads the zygotes: it shares them (dirUse) with a durable copy
+// dumping them, which holds the directory's lock for ~100 ms (W1: 1 rollback in 20
+// waited for one, the rollbacks' p99), and asks the background CRIU to freeze without
+// waiting for it. The forks take the directory's lock, then hold CRIU until it is
+// frozen: they set the namespace's next PID. (CRIU is let go before the lock is waited
+// for: it may be the dump that holds it.)
 func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, dir string, hooks isolation.RollbackHooks) error {
 	t := time.Now()
-	defer b.res.dirLock(dir)()
-	rec, ok, err := zygote.Read(dir)
+	unuse := b.res.dirUse(dir)
+	rec, err := residentRecord(sb, dir)
 	if err != nil {
+		unuse()
 		return err
 	}
-	if !ok || rec.Init != sb.Init || !rec.Alive() {
-		return fmt.Errorf("%w: the checkpoint's zygotes are gone or belong to another generation of %s", isolation.ErrNotResident, sb.ID)
+	phase.Since(ctx, "record", t)
+	adoptStrays(rec, sb)
+	t = time.Now()
+	release, _ := holdCRIUSoon(sb.CgroupName())
+	phase.Since(ctx, "hold_criu", t)
+	done, hooks, err := b.rewind(ctx, sb, rec, hooks)
+	release()
+	unuse()
+	if done {
+		return err
+	}
+	t = time.Now()
+	defer b.res.dirLock(dir)()
+	if rec, err = residentRecord(sb, dir); err != nil {
+		return err
 	}
 	helper, err := b.res.helper(sb.Init)
 	if err != nil {
 		return fmt.Errorf("%w: %v", isolation.ErrNotResident, err)
 	}
-	phase.Since(ctx, "record", t)
-	adoptStrays(rec, sb)
-	release, err := holdCRIUPhase(ctx, sb)
+	phase.Since(ctx, "fork_lock", t)
+	release, err = holdCRIUPhase(ctx, sb)
 	if err != nil {
 		return err
 	}
 	defer release()
-	done, hooks, err := b.rewind(ctx, sb, rec, hooks)
-	if done {
-		return err
-	}
 	asQuiesced, err := killPhase(ctx, sb, hooks.Quiesced)
 	if err != nil {
 		return err
