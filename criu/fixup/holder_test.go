@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
@@ -80,6 +81,10 @@ func threads(dir string) error {
 
 // holder sets up the process's state and execs the Python holder.
 func holder(dir string) error {
+	// The parent-death signal is an attribute of the thread that sets it, and the exec
+	// keeps the calling thread's: both on one thread, or the holder lost it when the
+	// goroutine moved between them (TestApply failed ~1 run in 6, "not set up").
+	runtime.LockOSThread()
 	if _, err := unix.Setsid(); err != nil {
 		return err
 	}
