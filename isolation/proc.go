@@ -27,14 +27,21 @@ func ProcOf(pid int) (Proc, error) {
 // Alive reports whether p still runs: the same process (PID and start time), and not a
 // zombie.
 func (p Proc) Alive() bool {
+	_, ok := p.Stat()
+	return ok
+}
+
+// Stat returns the fields of p's stat file (as StatFields) if p still runs (Alive), in
+// one read.
+func (p Proc) Stat() ([]string, bool) {
 	if p.Pid == 0 {
-		return false
+		return nil, false
 	}
 	f, err := statFields(p.Pid)
 	if err != nil || len(f) < 20 {
-		return false
+		return nil, false
 	}
-	return f[0] != "Z" && f[0] != "X" && f[19] == strconv.FormatUint(p.StartTime, 10)
+	return f, f[0] != "Z" && f[0] != "X" && f[19] == strconv.FormatUint(p.StartTime, 10)
 }
 
 // statFields returns the fields of /proc/pid/stat after the command name, starting with

@@ -171,10 +171,11 @@ func (b *Backend) Stop(ctx context.Context, sb *isolation.Sandbox) error {
 // Running implements isolation.Backend. An init that is exiting is not running (its
 // zygotes, frozen, would keep it from exiting: they are ended).
 func (b *Backend) Running(sb *isolation.Sandbox) bool {
-	if sb.Init.Pid == 0 || !sb.Init.Alive() {
+	f, alive := sb.Init.Stat()
+	if !alive {
 		return false
 	}
-	if initDying(sb.Init) {
+	if exiting(f) {
 		dropAllZygotes(sb.CgroupName())
 		os.Remove(criuDir(sb.CgroupName()))
 		return false

@@ -114,15 +114,12 @@ func criuDir(cgroup string) string { return filepath.Join(cgroupRoot, "freezer",
 
 // holdCRIU freezes the sandbox's background CRIU, if one runs, and returns the thaw.
 func holdCRIU(cgroup string) (func(), error) {
-	dir := criuDir(cgroup)
-	if len(freezer.Procs(dir)) == 0 {
-		return func() {}, nil
-	}
-	if err := freezer.Set(dir, freezer.Frozen); err != nil {
-		freezer.Write(dir, freezer.Thawed)
+	release, held := holdCRIUSoon(cgroup)
+	if err := held(); err != nil {
+		release()
 		return nil, err
 	}
-	return func() { freezer.Write(dir, freezer.Thawed) }, nil
+	return release, nil
 }
 
 // holdCRIUSoon asks the sandbox's background CRIU, if one runs, to freeze, without

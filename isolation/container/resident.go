@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -200,18 +199,13 @@ func (r *residents) watchdog() {
 
 // initDying reports whether init has exited or is exiting (PF_EXITING).
 func initDying(init isolation.Proc) bool {
-	if !init.Alive() {
-		return true
-	}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(init.Pid) + "/stat")
-	if err != nil {
-		return true
-	}
-	st := string(b)
-	f := strings.Fields(st[strings.LastIndexByte(st, ')')+1:]) // state ppid pgrp session tty tpgid flags
-	if len(f) < 7 {
-		return false
-	}
+	f, alive := init.Stat()
+	return !alive || exiting(f)
+}
+
+// exiting reports whether a live process's stat fields (isolation.Proc.Stat) show it
+// exiting (PF_EXITING in its flags, field 6).
+func exiting(f []string) bool {
 	flags, _ := strconv.ParseUint(f[6], 10, 64)
 	const pfExiting = 0x4
 	return flags&pfExiting != 0
@@ -362,8 +356,8 @@ func (r *residents) residentRecord(sb *isolation.Sandbox, dir string, cached boo
 
 // IsResident implements isolation.Resident.
 func (b *Backend) IsResident(sb *isolation.Sandbox, dir string) bool {
-	rec, ok, err := b.res.readRecord(dir)
-	return err == nil && ok && rec.Init == sb.Init && rec.Alive()
+	_, err := b.res.residentRecord(sb, dir, true)
+	return err == nil
 }
 
 // DropResident implements isolation.Resident.
