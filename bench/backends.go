@@ -34,8 +34,11 @@ type BackendReport struct {
 	// RollbacksRewound counts the rollbacks that brought the processes back in place
 	// (a rewind), RewindsRefused those a rewind was tried for and refused (they forked
 	// from the zygotes).
-	RollbacksRewound          int   `json:"rollbacks_rewound"`
-	RewindsRefused            int   `json:"rewinds_refused"`
+	RollbacksRewound int `json:"rollbacks_rewound"`
+	RewindsRefused   int `json:"rewinds_refused"`
+	// RewindsRefusedForCopy are the refused whose pages to bring back were too many
+	// (more than a fork shares for the same time: W2's rollbacks to other branches).
+	RewindsRefusedForCopy     int   `json:"rewinds_refused_for_copy"`
 	StorageBytesPerCheckpoint Stats `json:"storage_bytes_per_checkpoint"`
 	ImageBytesPerCheckpoint   Stats `json:"image_bytes_per_checkpoint"`
 	// OverheadRSSBytes is the RSS of the process Running watches: cairn-init for a
@@ -113,7 +116,8 @@ func (b *runner) backendReport() *BackendReport {
 		StorageBytesPerCheckpoint: r.StorageBytesPerCheckpoint, ImageBytesPerCheckpoint: r.ImageBytesPerCheckpoint,
 		OverheadRSSBytes: r.OverheadRSSBytes, BackgroundMSPerCheckpoint: r.BackgroundMSPerCheckpoint,
 		Correctness: r.Correctness, CheckpointPhasesP50MS: p50s(b.phases), RollbackPhasesP50MS: p50s(b.rbPhases),
-		RollbacksRewound: len(b.rbPhases["rewound"]), RewindsRefused: len(b.rbPhases["rewind_refused"])}
+		RollbacksRewound: len(b.rbPhases["rewound"]), RewindsRefused: len(b.rbPhases["rewind_refused"]),
+		RewindsRefusedForCopy: len(b.rbPhases["rewind_refused_copy"])}
 	return br
 }
 

@@ -69,7 +69,7 @@ func (r *Report) Print(w io.Writer) {
 	if br := r.Backends[r.primaryIsolation()]; br != nil {
 		printPhases(w, "", "checkpoint", br.CheckpointPhasesP50MS)
 		printPhases(w, "", "rollback", br.RollbackPhasesP50MS)
-		printRewinds(w, "", br.RollbacksRewound, br.RewindsRefused)
+		printRewinds(w, "", br.RollbacksRewound, br.RewindsRefused, br.RewindsRefusedForCopy)
 	}
 	s := r.StorageBytesPerCheckpoint
 	fmt.Fprintf(w, "\nstorage per checkpoint: p50 %s, p95 %s, p99 %s, mean %s (process images alone: p50 %s; dumped on the critical path: p50 %s)\n",
@@ -106,9 +106,9 @@ func printResident(w io.Writer, indent string, st engineStats) {
 
 // printRewinds writes how many rollbacks were rewound in place and how many refused,
 // if any was tried.
-func printRewinds(w io.Writer, indent string, rewound, refused int) {
+func printRewinds(w io.Writer, indent string, rewound, refused, forCopy int) {
 	if rewound+refused > 0 {
-		fmt.Fprintf(w, "%srollbacks rewound in place: %d; rewinds refused (forked from the zygotes): %d\n", indent, rewound, refused)
+		fmt.Fprintf(w, "%srollbacks rewound in place: %d; rewinds refused (forked from the zygotes): %d, %d of them for the pages to bring back\n", indent, rewound, refused, forCopy)
 	}
 }
 
@@ -151,10 +151,12 @@ func (r *Report) printSearch(w io.Writer) {
 		fmt.Fprintf(w, "  checkpoint p50/p95/p99 %.1f/%.1f/%.1f ms, rollback %.1f/%.1f/%.1f ms; standbys taken %d, misses %d\n",
 			x.CheckpointMS.P50, x.CheckpointMS.P95, x.CheckpointMS.P99, x.RollbackMS.P50, x.RollbackMS.P95, x.RollbackMS.P99,
 			x.Standby.StandbysClaimed, x.Standby.StandbyMisses)
+		fmt.Fprintf(w, "  step p50/p95/p99 %.1f/%.1f/%.1f ms in the search, %.1f/%.1f/%.1f ms without snapshots\n",
+			x.StepMS.P50, x.StepMS.P95, x.StepMS.P99, x.FloorStepMS.P50, x.FloorStepMS.P95, x.FloorStepMS.P99)
 		printResident(w, "  ", x.Standby)
 		printPhases(w, "  ", "checkpoint", x.CheckpointPhasesP50MS)
 		printPhases(w, "  ", "rollback", x.RollbackPhasesP50MS)
-		printRewinds(w, "  ", x.RollbacksRewound, x.RewindsRefused)
+		printRewinds(w, "  ", x.RollbacksRewound, x.RewindsRefused, x.RewindsRefusedForCopy)
 	}
 	if r.W3 != nil {
 		x := r.W3

@@ -25,12 +25,19 @@ type W2Report struct {
 	OverheadPct  float64 `json:"overhead_pct"`
 	CheckpointMS Stats   `json:"checkpoint_ms"`
 	RollbackMS   Stats   `json:"rollback_ms"`
+	// FloorStepMS and StepMS time the steps alone, without snapshots (the floor) and in
+	// the search: what the search's total holds beyond its checkpoints and rollbacks is
+	// the steps' slowdown (the tracking's write faults, pages shared with zygotes copied
+	// on write, background work beside them).
+	FloorStepMS Stats `json:"floor_step_ms"`
+	StepMS      Stats `json:"step_ms"`
 	// CheckpointPhasesP50MS and RollbackPhasesP50MS are as in BackendReport.
 	CheckpointPhasesP50MS map[string]float64 `json:"checkpoint_phases_p50_ms"`
 	RollbackPhasesP50MS   map[string]float64 `json:"rollback_phases_p50_ms"`
 	// RollbacksRewound and RewindsRefused are as in BackendReport.
-	RollbacksRewound int `json:"rollbacks_rewound"`
-	RewindsRefused   int `json:"rewinds_refused"`
+	RollbacksRewound      int `json:"rollbacks_rewound"`
+	RewindsRefused        int `json:"rewinds_refused"`
+	RewindsRefusedForCopy int `json:"rewinds_refused_for_copy"`
 	// Standby counts the engine's standby work during the search.
 	Standby engine.Stats `json:"standby"`
 }
@@ -100,12 +107,16 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		return nil, err
 	}
 	start := time.Now()
+	var floorMS []float64
 	for i := 0; i < expansions; i++ {
+		t := time.Now()
 		if err := floor.step(ctx); err != nil {
 			return nil, err
 		}
+		floorMS = append(floorMS, ms(time.Since(t)))
 	}
 	rep.FloorS = time.Since(start).Seconds()
+	rep.FloorStepMS = summarize(floorMS)
 	if err := removeFloor(ctx); err != nil {
 		return nil, fmt.Errorf("remove the floor's sandbox: %w", err)
 	}
@@ -123,7 +134,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	b.w.ckPhases = ckPhases
 	before := b.e.Stats()
 	var elapsed time.Duration
-	var ckMS, rbMS []float64
+	var ckMS, rbMS, stepMS []float64
 	ck0, d, err := b.w.checkpoint(ctx)
 	if err != nil {
 		return nil, err
@@ -151,6 +162,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		if err := b.w.step(ctx); err != nil {
 			return nil, err
 		}
+		stepMS = append(stepMS, ms(time.Since(t)))
 		elapsed += time.Since(t)
 		ck, d, err := b.w.checkpoint(ctx) // records the expected state off the clock
 		if err != nil {
@@ -169,9 +181,10 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	}
 	rep.TotalS = elapsed.Seconds()
 	rep.OverheadPct = 100 * (rep.TotalS - rep.FloorS) / rep.FloorS
-	rep.CheckpointMS, rep.RollbackMS = summarize(ckMS), summarize(rbMS)
+	rep.CheckpointMS, rep.RollbackMS, rep.StepMS = summarize(ckMS), summarize(rbMS), summarize(stepMS)
 	rep.CheckpointPhasesP50MS, rep.RollbackPhasesP50MS = p50s(ckPhases), p50s(rbPhases)
 	rep.RollbacksRewound, rep.RewindsRefused = len(rbPhases["rewound"]), len(rbPhases["rewind_refused"])
+	rep.RewindsRefusedForCopy = len(rbPhases["rewind_refused_copy"])
 	rep.Standby = statsDelta(before, b.e.Stats())
 	return rep, nil
 }

@@ -666,3 +666,46 @@ func TestRewindBesideDurableCopy(t *testing.T) {
 		t.Fatalf("after a second rollback: %q, want 1", got)
 	}
 }
+
+// TestRewindRefusedForCopy: a rollback whose rewind in place would copy back more than
+// the bound (zygote.maxRewindCopy, 8 MiB) forks from the zygotes instead, and says so
+// (the phase rewind_refused_copy, which cairn bench counts); a small change beside it
+// is rewound.
+func TestRewindRefusedForCopy(t *testing.T) {
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	ctx := context.Background()
+	sb, r := newREPL(t, e, true)
+	r.ask("x = 1\nbig = bytearray(b'z' * (16 << 20))")
+	c1 := residentCheckpoint(t, e, sb.ID)
+	rollback := func() []string {
+		t.Helper()
+		var mu sync.Mutex
+		var phases []string
+		pctx := phase.With(ctx, func(name string, d time.Duration) {
+			mu.Lock()
+			phases = append(phases, name)
+			mu.Unlock()
+		})
+		if err := e.Rollback(pctx, sb.ID, c1.ID); err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(phases)
+	}
+	r.ask("x = 2")
+	if ph := rollback(); !slices.Contains(ph, "rewound") || slices.Contains(ph, "rewind_refused_copy") {
+		t.Fatalf("a rollback over one small change: phases %v, want rewound", ph)
+	}
+	if got := r.ask("print(x, big[0], big[-1])"); got != "1 122 122" {
+		t.Fatalf("after the rewind: %q, want 1 122 122", got)
+	}
+	r.ask("x = 3\nbig[:] = b'y' * len(big)")
+	ph := rollback()
+	if slices.Contains(ph, "rewound") || !slices.Contains(ph, "rewind_refused_copy") || !slices.Contains(ph, "spawn") {
+		t.Fatalf("a rollback over 16 MiB written: phases %v, want rewind_refused_copy and spawn", ph)
+	}
+	if got := r.ask("print(x, big[0], big[-1])"); got != "1 122 122" {
+		t.Fatalf("after the fork: %q, want 1 122 122", got)
+	}
+}

@@ -42,8 +42,12 @@ import (
 // for direct I/O before the checkpoint).
 
 // NotRewound says why a rollback cannot bring the processes back in place. Nothing was
-// changed: they run on as before.
-type NotRewound struct{ Reason string }
+// changed: they run on as before. Copy is set when the reason is the pages to bring back
+// (their bytes, more than maxRewindCopy).
+type NotRewound struct {
+	Reason string
+	Copy   uint64
+}
 
 func (e *NotRewound) Error() string { return "not rewound in place: " + e.Reason }
 
@@ -215,7 +219,9 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			copying += pl.copy.Bytes()
 		}
 		if copying > maxRewindCopy {
-			return notRewound("%d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead", copying>>20, maxRewindCopy>>20)
+			err := notRewound("%d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead", copying>>20, maxRewindCopy>>20)
+			err.(*NotRewound).Copy = copying
+			return err
 		}
 		begun = true
 		if err := o.Begin(); err != nil {
