@@ -71,6 +71,10 @@ func (b *Backend) Start(ctx context.Context, sb *isolation.Sandbox) error {
 // start boots init; pidBase: and sets the sandbox's PID base (a restore of processes
 // into it sets it after them).
 func (b *Backend) start(ctx context.Context, sb *isolation.Sandbox, pidBase bool) error {
+	// The first resident checkpoint of a cairn process checks that CRIU runs inside
+	// sandboxes (criu --version through its loader copy: ~16 ms here, once): done now,
+	// beside the boot, it is not on that checkpoint's critical path.
+	go criu.InsideAvailable()
 	if err := initctl.Install(b.initBinary, sb.Root); err != nil {
 		return err
 	}
