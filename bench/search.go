@@ -31,6 +31,10 @@ type W2Report struct {
 	// on write, background work beside them).
 	FloorStepMS Stats `json:"floor_step_ms"`
 	StepMS      Stats `json:"step_ms"`
+	// FloorREPLMS and REPLMS are the same for the REPL's statement alone (the step's
+	// writes to memory: ~2 MB, of pages the zygotes share).
+	FloorREPLMS Stats `json:"floor_repl_ms"`
+	REPLMS      Stats `json:"repl_ms"`
 	// CheckpointPhasesP50MS and RollbackPhasesP50MS are as in BackendReport.
 	CheckpointPhasesP50MS map[string]float64 `json:"checkpoint_phases_p50_ms"`
 	RollbackPhasesP50MS   map[string]float64 `json:"rollback_phases_p50_ms"`
@@ -107,16 +111,17 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		return nil, err
 	}
 	start := time.Now()
-	var floorMS []float64
+	var floorMS, floorREPL []float64
 	for i := 0; i < expansions; i++ {
 		t := time.Now()
 		if err := floor.step(ctx); err != nil {
 			return nil, err
 		}
 		floorMS = append(floorMS, ms(time.Since(t)))
+		floorREPL = append(floorREPL, floor.replMS)
 	}
 	rep.FloorS = time.Since(start).Seconds()
-	rep.FloorStepMS = summarize(floorMS)
+	rep.FloorStepMS, rep.FloorREPLMS = summarize(floorMS), summarize(floorREPL)
 	if err := removeFloor(ctx); err != nil {
 		return nil, fmt.Errorf("remove the floor's sandbox: %w", err)
 	}
@@ -134,7 +139,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	b.w.ckPhases = ckPhases
 	before := b.e.Stats()
 	var elapsed time.Duration
-	var ckMS, rbMS, stepMS []float64
+	var ckMS, rbMS, stepMS, replMS []float64
 	ck0, d, err := b.w.checkpoint(ctx)
 	if err != nil {
 		return nil, err
@@ -163,6 +168,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 			return nil, err
 		}
 		stepMS = append(stepMS, ms(time.Since(t)))
+		replMS = append(replMS, b.w.replMS)
 		elapsed += time.Since(t)
 		ck, d, err := b.w.checkpoint(ctx) // records the expected state off the clock
 		if err != nil {
@@ -182,6 +188,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	rep.TotalS = elapsed.Seconds()
 	rep.OverheadPct = 100 * (rep.TotalS - rep.FloorS) / rep.FloorS
 	rep.CheckpointMS, rep.RollbackMS, rep.StepMS = summarize(ckMS), summarize(rbMS), summarize(stepMS)
+	rep.REPLMS = summarize(replMS)
 	rep.CheckpointPhasesP50MS, rep.RollbackPhasesP50MS = p50s(ckPhases), p50s(rbPhases)
 	rep.RollbacksRewound, rep.RewindsRefused = len(rbPhases["rewound"]), len(rbPhases["rewind_refused"])
 	rep.RewindsRefusedForCopy = len(rbPhases["rewind_refused_copy"])

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/cairn-sandbox/cairn/engine"
 	"github.com/cairn-sandbox/cairn/engine/model"
@@ -35,6 +36,8 @@ type w1 struct {
 	parent map[string]string   // checkpoint → the head it was taken from
 	// ckPhases, if set, receives the phases of each checkpoint (bench's traced).
 	ckPhases map[string][]float64
+	// replMS is how long the REPL's statement of the last step took (ms).
+	replMS float64
 }
 
 // expected is the state of the sandbox recorded just before a checkpoint.
@@ -127,9 +130,11 @@ func (w *w1) step(ctx context.Context) error {
 	if _, err := run(ctx, w.e, w.id, "bash", "-c", stepScript(w.steps)); err != nil {
 		return fmt.Errorf("step %d: %w", w.steps, err)
 	}
+	t := time.Now()
 	if err := w.repl.step(ctx, w.steps); err != nil {
 		return fmt.Errorf("step %d: %w", w.steps, err)
 	}
+	w.replMS = ms(time.Since(t))
 	return nil
 }
 
