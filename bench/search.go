@@ -27,8 +27,8 @@ type W2Report struct {
 	RollbackMS   Stats   `json:"rollback_ms"`
 	// FloorStepMS and StepMS time the steps alone, without snapshots (the floor) and in
 	// the search: what the search's total holds beyond its checkpoints and rollbacks is
-	// the steps' slowdown (the tracking's write faults, pages shared with zygotes copied
-	// on write, background work beside them).
+	// the steps' slowdown (the faults of their first writes to pages the zygotes share,
+	// the background work beside them).
 	FloorStepMS Stats `json:"floor_step_ms"`
 	StepMS      Stats `json:"step_ms"`
 	// FloorREPLMS and REPLMS are the same for the REPL's statement alone (the step's

@@ -219,9 +219,8 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			copying += pl.copy.Bytes()
 		}
 		if copying > maxRewindCopy {
-			err := notRewound("%d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead", copying>>20, maxRewindCopy>>20)
-			err.(*NotRewound).Copy = copying
-			return err
+			return &NotRewound{Copy: copying, Reason: fmt.Sprintf("%d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead",
+				copying>>20, maxRewindCopy>>20)}
 		}
 		begun = true
 		if err := o.Begin(); err != nil {
