@@ -182,3 +182,54 @@ func TestMachineMemoryFacts(t *testing.T) {
 		t.Fatalf("machine facts missing: cpu %q, thp %q, page fault %.2f µs", m.CPUModel, m.THP, m.PageFaultUS)
 	}
 }
+
+// TestW2Smoke runs a short W2 (10 expansions, 4 after a rollback; the workload's are
+// 100 and 49) and checks that every rollback's state was right and that the report
+// holds a sample for every step, checkpoint and rollback, with the steps' REPL
+// statements, and says of every rollback whether it was rewound. No timing is asserted.
+func TestW2Smoke(t *testing.T) {
+	e := testenv.Engine(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	defer func(n int) { w2Expansions = n }(w2Expansions)
+	w2Expansions = 10
+	rep, err := Run(ctx, e, Options{Workload: "w2", Iterations: 2})
+	if err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	var out strings.Builder
+	rep.Print(&out)
+	t.Logf("report:\n%s", out.String())
+	x := rep.W2
+	if x == nil {
+		t.Fatal("no W2 in the report")
+	}
+	if rep.Correctness.Failed != 0 || rep.Correctness.Passed != 4 {
+		t.Errorf("correctness: %d passed, %d failed (%v); want 4 passed", rep.Correctness.Passed, rep.Correctness.Failed, rep.Correctness.Failures)
+	}
+	if x.Expansions != 10 || x.Rollbacks != 4 {
+		t.Errorf("%d expansions, %d rollbacks; want 10 and 4", x.Expansions, x.Rollbacks)
+	}
+	for name, s := range map[string]Stats{"step_ms": x.StepMS, "repl_ms": x.REPLMS, "floor_step_ms": x.FloorStepMS,
+		"floor_repl_ms": x.FloorREPLMS, "checkpoint_ms": x.CheckpointMS, "rollback_ms": x.RollbackMS} {
+		want := 10
+		switch name {
+		case "checkpoint_ms":
+			want = 11 // the root's, then one per expansion
+		case "rollback_ms":
+			want = 4
+		}
+		if s.N != want || s.Min <= 0 {
+			t.Errorf("%s: %d samples (min %v), want %d, each above 0", name, s.N, s.Min, want)
+		}
+	}
+	if x.REPLMS.Mean >= x.StepMS.Mean {
+		t.Errorf("the REPL statement (mean %v ms) is not part of the step (mean %v ms)", x.REPLMS.Mean, x.StepMS.Mean)
+	}
+	if x.RollbacksRewound+x.RewindsRefused != 4 || x.RewindsRefusedForCopy > x.RewindsRefused {
+		t.Errorf("rollbacks rewound %d, refused %d (%d for the copy): want 4 in all", x.RollbacksRewound, x.RewindsRefused, x.RewindsRefusedForCopy)
+	}
+	if x.FloorS <= 0 || x.TotalS <= 0 {
+		t.Errorf("floor %v s, search %v s: want both above 0", x.FloorS, x.TotalS)
+	}
+}
