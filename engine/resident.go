@@ -590,11 +590,16 @@ func (e *Engine) planRevert(ctx context.Context, sb *model.Sandbox, ck *model.Ch
 	if !ok || sb.Head == "" {
 		return nil
 	}
+	t := time.Now()
 	head, err := e.db.Checkpoint(ctx, sb.Head)
+	phase.Since(ctx, "plan_head", t)
 	if err != nil || head.FSVolume == "" {
 		return nil
 	}
-	if ok, err := pr.Unchanged(sb.Root, head.FSVolume); err != nil || !ok {
+	t = time.Now()
+	ok, err = pr.Unchanged(sb.Root, head.FSVolume)
+	phase.Since(ctx, "plan_unchanged", t)
+	if err != nil || !ok {
 		return nil
 	}
 	p := &revertPlan{pr: pr, root: sb.Root, head: head.FSVolume, plan: make(chan plannedRevert, 1), logf: e.cfg.Logf}
