@@ -610,12 +610,9 @@ func residentCheckpoint(t *testing.T, e *engine.Engine, id string) *model.Checkp
 // took the rollback ~100 ms), so the dump is still under way when the rollback returns;
 // the state comes back, and the copy completes.
 func TestRewindBesideDurableCopy(t *testing.T) {
-	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
 	ctx := context.Background()
-	sb, r := newREPL(t, e, true)
 	// 64 MiB for CRIU to dump: a copy of some 100 ms.
-	r.ask("x = 1\nbig = bytearray(b'z' * (64 << 20))")
-	c1 := residentCheckpoint(t, e, sb.ID)
+	e, sb, r, c1 := bigREPL(t, 64)
 	r.ask("x = 2")
 	cur, err := e.Get(ctx, sb.ID)
 	if err != nil {
@@ -631,22 +628,13 @@ func TestRewindBesideDurableCopy(t *testing.T) {
 			t.Fatal("the durable copy of the checkpoint did not begin within 10 s")
 		}
 	}
-	var mu sync.Mutex
-	var phases []string
-	pctx := phase.With(ctx, func(name string, d time.Duration) {
-		mu.Lock()
-		phases = append(phases, name)
-		mu.Unlock()
-	})
+	pctx, phases := phaseNames(ctx)
 	if err := e.Rollback(pctx, sb.ID, c1.ID); err != nil {
 		t.Fatal(err)
 	}
 	still := dumping()
-	mu.Lock()
-	rewound := slices.Contains(phases, "rewound")
-	mu.Unlock()
-	if !rewound {
-		t.Fatalf("the rollback was not rewound in place (phases %v)", phases)
+	if ph := phases(); !slices.Contains(ph, "rewound") {
+		t.Fatalf("the rollback was not rewound in place (phases %v)", ph)
 	}
 	if !still {
 		t.Fatal("the durable copy had ended when the rollback returned: the rollback waited for it")
@@ -672,26 +660,15 @@ func TestRewindBesideDurableCopy(t *testing.T) {
 // (the phase rewind_refused_copy, which cairn bench counts); a small change beside it
 // is rewound.
 func TestRewindRefusedForCopy(t *testing.T) {
-	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
 	ctx := context.Background()
-	sb, r := newREPL(t, e, true)
-	r.ask("x = 1\nbig = bytearray(b'z' * (16 << 20))")
-	c1 := residentCheckpoint(t, e, sb.ID)
+	e, sb, r, c1 := bigREPL(t, 16)
 	rollback := func() []string {
 		t.Helper()
-		var mu sync.Mutex
-		var phases []string
-		pctx := phase.With(ctx, func(name string, d time.Duration) {
-			mu.Lock()
-			phases = append(phases, name)
-			mu.Unlock()
-		})
+		pctx, phases := phaseNames(ctx)
 		if err := e.Rollback(pctx, sb.ID, c1.ID); err != nil {
 			t.Fatal(err)
 		}
-		mu.Lock()
-		defer mu.Unlock()
-		return slices.Clone(phases)
+		return phases()
 	}
 	r.ask("x = 2")
 	if ph := rollback(); !slices.Contains(ph, "rewound") || slices.Contains(ph, "rewind_refused_copy") {
@@ -708,4 +685,31 @@ func TestRewindRefusedForCopy(t *testing.T) {
 	if got := r.ask("print(x, big[0], big[-1])"); got != "1 122 122" {
 		t.Fatalf("after the fork: %q, want 1 122 122", got)
 	}
+}
+
+// phaseNames returns ctx with a phase recorder, and what returns the names of the
+// phases reported to it so far.
+func phaseNames(ctx context.Context) (context.Context, func() []string) {
+	var mu sync.Mutex
+	var names []string
+	ctx = phase.With(ctx, func(name string, d time.Duration) {
+		mu.Lock()
+		names = append(names, name)
+		mu.Unlock()
+	})
+	return ctx, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(names)
+	}
+}
+
+// bigREPL starts a REPL holding x = 1 and big, a bytearray of mib MiB of b'z', on an
+// engine without standbys, and takes a resident checkpoint of it.
+func bigREPL(t *testing.T, mib int) (*engine.Engine, *model.Sandbox, *repl, *model.Checkpoint) {
+	t.Helper()
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	sb, r := newREPL(t, e, true)
+	r.ask(fmt.Sprintf("x = 1\nbig = bytearray(b'z' * (%d << 20))", mib))
+	return e, sb, r, residentCheckpoint(t, e, sb.ID)
 }
