@@ -10,7 +10,8 @@ import (
 )
 
 // TestReadRecordCache checks that readRecord returns the record read before while its
-// file is the same, and reads again a record replaced (Write renames), or removed.
+// file is the same, in its directory renamed too, and reads again a record replaced
+// (Write renames), or removed.
 func TestReadRecordCache(t *testing.T) {
 	dir := t.TempDir()
 	var r residents
@@ -36,6 +37,16 @@ func TestReadRecordCache(t *testing.T) {
 	c, ok, err := r.readRecord(dir)
 	if err != nil || !ok || c.Init.Pid != 200 {
 		t.Fatalf("after the record was replaced: %+v, %v, %v; want Init.Pid 200", c, ok, err)
+	}
+	// The directory renamed (a checkpoint's, staged, then published): the same file,
+	// read before.
+	moved := filepath.Join(filepath.Dir(dir), "published")
+	if err := os.Rename(dir, moved); err != nil {
+		t.Fatal(err)
+	}
+	dir = moved
+	if d, ok, err := r.readRecord(dir); err != nil || !ok || d != c {
+		t.Fatalf("after the directory was renamed: %+v, %v, %v; want the record read before", d, ok, err)
 	}
 	if err := os.Remove(filepath.Join(dir, zygote.RecordFile)); err != nil {
 		t.Fatal(err)

@@ -45,15 +45,17 @@ type residents struct {
 	// tracks follow the writes of each sandbox's processes for rewinds in place, by
 	// init; protected by mu.
 	tracks map[isolation.Proc]*zygote.Tracks
-	// records are the zygote records last read by readRecord, by directory; protected
-	// by mu.
-	records map[string]cachedRecord
+	// records are the zygote records last read by readRecord, by their file's device
+	// and inode (the same file once its checkpoint's directory is renamed into place);
+	// protected by mu.
+	records map[recordKey]cachedRecord
 }
 
-// cachedRecord is a zygote record as read from a file of that inode, change time and
-// size (a record is replaced by a rename, never rewritten in place).
+type recordKey struct{ dev, ino uint64 }
+
+// cachedRecord is a zygote record as read from a file of that change time and size (a
+// record is replaced by a rename, never rewritten in place).
 type cachedRecord struct {
-	ino   uint64
 	ctime unix.Timespec
 	size  int64
 	rec   *zygote.Record
@@ -65,16 +67,18 @@ const maxCachedRecords = 64
 // readRecord is zygote.Read for readers that do not change the record: a record read
 // before is returned again while its file is the same. A rollback read it twice
 // (IsResident, then RollbackResident), ~0.2 ms each for W1's (registers, extended state,
-// descriptors and mappings of each process, in JSON).
+// descriptors and mappings of each process, in JSON); each checkpoint's is read once
+// beside it (CheckpointResident), so that its first rollback finds it read.
 func (r *residents) readRecord(dir string) (*zygote.Record, bool, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(filepath.Join(dir, zygote.RecordFile), &st); err != nil {
 		return zygote.Read(dir) // its error, or its absence, as Read tells them
 	}
+	key := recordKey{dev: st.Dev, ino: st.Ino}
 	r.mu.Lock()
-	c, ok := r.records[dir]
+	c, ok := r.records[key]
 	r.mu.Unlock()
-	if ok && c.ino == st.Ino && c.ctime == st.Ctim && c.size == st.Size {
+	if ok && c.ctime == st.Ctim && c.size == st.Size {
 		return c.rec, true, nil
 	}
 	rec, ok, err := zygote.Read(dir)
@@ -83,9 +87,9 @@ func (r *residents) readRecord(dir string) (*zygote.Record, bool, error) {
 	}
 	r.mu.Lock()
 	if r.records == nil || len(r.records) >= maxCachedRecords {
-		r.records = map[string]cachedRecord{}
+		r.records = map[recordKey]cachedRecord{}
 	}
-	r.records[dir] = cachedRecord{ino: st.Ino, ctime: st.Ctim, size: st.Size, rec: rec}
+	r.records[key] = cachedRecord{ctime: st.Ctim, size: st.Size, rec: rec}
 	r.mu.Unlock()
 	return rec, true, nil
 }
@@ -331,6 +335,9 @@ func (b *Backend) CheckpointResident(ctx context.Context, sb *isolation.Sandbox,
 		return err
 	}
 	b.res.watch(sb)
+	// Read once now, beside the checkpoint's end (its directory is renamed into place
+	// meanwhile, or after: the file stays the same; a read that misses it is no loss).
+	go b.res.readRecord(dir)
 	return nil
 }
 
