@@ -566,9 +566,6 @@ func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote
 		// Nothing was changed (a NotRewound says why; any other error came before a
 		// change too): the processes are killed and forked instead.
 		phase.Since(ctx, "rewind_refused", t)
-		if nr := (*zygote.NotRewound)(nil); errors.As(err, &nr) && nr.Copy > 0 {
-			phase.Since(ctx, "rewind_refused_copy", t) // counted apart by cairn bench
-		}
 		return false, hooks, nil
 	}
 	if err == nil {

@@ -42,12 +42,8 @@ import (
 // for direct I/O before the checkpoint).
 
 // NotRewound says why a rollback cannot bring the processes back in place. Nothing was
-// changed: they run on as before. Copy is set when the reason is the pages to bring back
-// (their bytes, more than maxRewindCopy).
-type NotRewound struct {
-	Reason string
-	Copy   uint64
-}
+// changed: they run on as before.
+type NotRewound struct{ Reason string }
 
 func (e *NotRewound) Error() string { return "not rewound in place: " + e.Reason }
 
@@ -84,7 +80,8 @@ type RewindOptions struct {
 	Failed func()
 	// Phase, if set, is told how long each phase took ("lock", "live", "do" (the wait
 	// for the tracer's thread), "stop", "check", "scan", "memory", "reverted",
-	// "fixups", "sets", "detach").
+	// "fixups", "sets", "detach"; "refused_copy" when the rewind is refused for the
+	// pages it would copy back).
 	Phase func(name string, d time.Duration)
 }
 
@@ -219,8 +216,8 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 			copying += pl.copy.Bytes()
 		}
 		if copying > maxRewindCopy {
-			return &NotRewound{Copy: copying, Reason: fmt.Sprintf("%d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead",
-				copying>>20, maxRewindCopy>>20)}
+			report(o.Phase, "refused_copy", t)
+			return notRewound("%d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead", copying>>20, maxRewindCopy>>20)
 		}
 		begun = true
 		if err := o.Begin(); err != nil {
