@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -535,4 +536,46 @@ func runBoth(tc, z *Tracee) error {
 		return err
 	}
 	return tc.Detach()
+}
+
+// TestSetVDSO: told where the tracee's vDSO starts, a tracee finds the syscall
+// instruction its own maps read would find; told a wrong address, it refuses it and
+// still finds the instruction itself at its first injected call.
+func TestSetVDSO(t *testing.T) {
+	requireRoot(t)
+	c, tr, tc := stoppedReplica(t)
+	pid := c.cmd.Process.Pid
+	start, _, err := vdsoRange(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = tr.Do(func() error {
+		if err := tc.SetVDSO(0x1000); err == nil {
+			return fmt.Errorf("SetVDSO(0x1000) accepted an unmapped address")
+		}
+		if tc.syscallAt != 0 {
+			return fmt.Errorf("a refused SetVDSO left syscallAt %#x", tc.syscallAt)
+		}
+		if got, err := tc.Syscall(unix.SYS_GETPID); err != nil || int(got) != pid {
+			return fmt.Errorf("getpid after a refused SetVDSO: %d, %v", got, err)
+		}
+		found := tc.syscallAt
+		tc.syscallAt = 0
+		if err := tc.SetVDSO(start); err != nil {
+			return err
+		}
+		if tc.syscallAt != found {
+			return fmt.Errorf("SetVDSO(%#x) gave the syscall instruction at %#x, its maps %#x", start, tc.syscallAt, found)
+		}
+		if got, err := tc.Syscall(unix.SYS_GETPID); err != nil || int(got) != pid {
+			return fmt.Errorf("getpid after SetVDSO: %d, %v", got, err)
+		}
+		return tc.Detach()
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.ask(t); got[0] != strconv.Itoa(pid) {
+		t.Errorf("the replica answered %v after the calls", got)
+	}
 }

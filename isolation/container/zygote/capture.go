@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/cairn-sandbox/cairn/internal/dirty"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container/freezer"
@@ -320,6 +321,7 @@ func (o *CaptureOptions) scan(p *ptrace.Tracee) (zp *Proc, inside time.Duration,
 	if zp, err = scan(p.Pid, root); err != nil {
 		return nil, 0, err
 	}
+	zp.VDSO = useVDSO(p, zp.maps)
 	t := time.Now()
 	if err := inherited(p, zp, o.Tracks != nil); err != nil {
 		return nil, 0, err
@@ -367,6 +369,10 @@ func capture(p *ptrace.Tracee, zp *Proc, xstate bool, steps *forkSteps) error {
 		z.Detach()
 		return fmt.Errorf("prctl in the zygote of %d: %w", p.Pid, err)
 	}
+	// A signal that reached it since the clone (sent to the process's group by another
+	// process, say) came after the checkpoint: the zygote, which is the process at the
+	// checkpoint, drops it.
+	z.DropPending()
 	steps.step(1, &t)
 	// Into the frozen cgroup before it gets the process's registers: from Detach on, it
 	// freezes before it runs an instruction (and if cairn dies, the kernel detaches it
@@ -523,4 +529,19 @@ func removeCgroup(dir string) error {
 		time.Sleep(5 * time.Millisecond)
 	}
 	return fmt.Errorf("remove zygote cgroup %s: %w", dir, err)
+}
+
+// useVDSO tells a stopped tracee where its vDSO starts, found in the maps just read of
+// it (ptrace.Tracee.SetVDSO), and returns that address; 0 if it is not there, when the
+// tracee looks for it itself.
+func useVDSO(p *ptrace.Tracee, ms []dirty.Mapping) uint64 {
+	for _, m := range ms {
+		if m.Path == "[vdso]" {
+			if p.SetVDSO(m.Start) != nil {
+				return 0
+			}
+			return m.Start
+		}
+	}
+	return 0
 }

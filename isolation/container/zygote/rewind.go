@@ -180,19 +180,21 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		if now, err := o.Live(); err != nil || !slices.Equal(sorted(now), live) {
 			return notRewound("processes started or ended during the rollback")
 		}
-		// Parked, a process half brought back waits in pause(2) if cairn dies, instead
-		// of running; the recovery's rollback kills it and forks from the zygotes.
-		for _, p := range procs {
-			if err := p.Park(); err != nil {
-				return err
-			}
-		}
 		report(o.Phase, "stop", t)
 		t = time.Now()
 		plans := make([]*plan, len(procs))
 		for i, p := range procs {
 			j := order[i]
 			if plans[i], err = check(p, &r.Procs[j], ts.viewOf(r.Procs[j].Zygote), o.Phase); err != nil {
+				return err
+			}
+			useVDSO(p, plans[i].maps)
+		}
+		// Parked, a process half brought back waits in pause(2) if cairn dies, instead
+		// of running; the recovery's rollback kills it and forks from the zygotes. (The
+		// check changes nothing: a crash before this point leaves them as they were.)
+		for _, p := range procs {
+			if err := p.Park(); err != nil {
 				return err
 			}
 		}

@@ -172,6 +172,9 @@ func wake(r *Record) ([]*ptrace.Tracee, error) {
 			return zs, err
 		}
 		zs[i] = z
+		if p.VDSO != 0 {
+			z.SetVDSO(p.VDSO) // else found by its first call
+		}
 		if err := z.Interrupt(); err != nil {
 			return zs, err
 		}

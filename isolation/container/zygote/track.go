@@ -53,6 +53,11 @@ type track struct {
 	// differ holds, by zygote (of a checkpoint taken while tracked), the pages in which
 	// the process may differ from it.
 	differ map[isolation.Proc]dirty.Set
+	// next, while open, is the set of the zygote a capture is making: started empty by
+	// before, given to that zygote by captured. A scan in between (a rewind's later
+	// scan, once the process runs again) adds to it like to the others.
+	next     dirty.Set
+	nextOpen bool
 }
 
 // Supported says whether this kernel can track writes (dirty.Supported).
@@ -77,6 +82,7 @@ func (ts *Tracks) before(procs []*ptrace.Tracee, zps []*Proc) {
 			d, err := k.t.ScanMaps(zps[i].maps)
 			if err == nil {
 				k.add(d)
+				k.next, k.nextOpen = nil, true
 				continue
 			}
 			ts.drop(p.Pid)
@@ -92,12 +98,13 @@ func (ts *Tracks) before(procs []*ptrace.Tracee, zps []*Proc) {
 		if ts.procs == nil {
 			ts.procs = map[int]*track{}
 		}
-		ts.procs[p.Pid] = &track{proc: proc, nsPid: zps[i].NSPid, t: t, differ: map[isolation.Proc]dirty.Set{}}
+		ts.procs[p.Pid] = &track{proc: proc, nsPid: zps[i].NSPid, t: t, differ: map[isolation.Proc]dirty.Set{}, nextOpen: true}
 	}
 }
 
-// captured starts the sets of the zygotes just made: those of rec, of the processes
-// pids (host PIDs, in the order of rec.Procs).
+// captured gives the zygotes just made (those of rec, of the processes pids: host
+// PIDs, in the order of rec.Procs) the sets before started: what the processes wrote
+// since they were scanned, stopped, before the zygotes were forked.
 func (ts *Tracks) captured(rec *Record, pids []int) {
 	if ts == nil {
 		return
@@ -107,8 +114,9 @@ func (ts *Tracks) captured(rec *Record, pids []int) {
 	defer ts.mu.Unlock()
 	var zs []Proc
 	for i, pid := range pids {
-		if k := ts.procs[pid]; k != nil && i < len(rec.Procs) {
-			k.differ[rec.Procs[i].Zygote] = nil
+		if k := ts.procs[pid]; k != nil && k.nextOpen && i < len(rec.Procs) {
+			k.differ[rec.Procs[i].Zygote] = k.next
+			k.next, k.nextOpen = nil, false
 			zs = append(zs, rec.Procs[i])
 		}
 	}
@@ -171,6 +179,9 @@ func (k *track) add(d dirty.Set) {
 	}
 	for z, s := range k.differ {
 		k.differ[z] = s.Union(d)
+	}
+	if k.nextOpen {
+		k.next = k.next.Union(d)
 	}
 }
 

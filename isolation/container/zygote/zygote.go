@@ -105,6 +105,10 @@ type Proc struct {
 	// them (their checkpoints are not rewound).
 	Xstate []byte `json:"xstate,omitempty"`
 	Brk    uint64 `json:"brk,omitempty"`
+	// VDSO is where the process's vDSO starts (its zygote's too), so that calls
+	// injected into the zygote need not read its maps to find a syscall instruction.
+	// Records written before lack it.
+	VDSO uint64 `json:"vdso,omitempty"`
 
 	// spawned is the process Spawn forked from the zygote, until park detaches it.
 	spawned *ptrace.Tracee
