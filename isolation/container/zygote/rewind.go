@@ -247,7 +247,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		t = time.Now()
 		for i, p := range procs {
 			rp := &r.Procs[order[i]]
-			if err := fixup(p, nil, rp); err != nil {
+			if err := fixup(p, nil, rp, plans[i].fdinfo); err != nil {
 				return fmt.Errorf("process %d: %w", rp.NSPid, err)
 			}
 		}
@@ -294,8 +294,11 @@ type plan struct {
 	// in the process before the copy, for the arguments of injected calls.
 	copy    dirty.Set
 	scratch uint64
-	// maps are the process's mappings as check read them (it is stopped).
-	maps []mapping
+	// maps are the process's mappings as check read them (it is stopped), fdinfo its
+	// descriptors' (a rewind changes neither their offsets nor their flags: the fixups
+	// use them, unless they open a descriptor again).
+	maps   []mapping
+	fdinfo map[int]fdinfo
 }
 
 type protRange struct {
@@ -355,13 +358,18 @@ func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.D
 	}
 	report(phase, "check_proc", t)
 	t = time.Now()
-	if err := sameFds(p.Pid, rp.Zygote.Pid, rp); err != nil {
+	infos, err := sameFds(p.Pid, rp.Zygote.Pid, rp)
+	if err != nil {
 		return nil, err
 	}
 	report(phase, "check_fds", t)
 	t = time.Now()
 	defer report(phase, "check_maps", t)
-	return planMaps(p.Pid, rp.Zygote.Pid, zv.maps, rp)
+	pl, err := planMaps(p.Pid, rp.Zygote.Pid, zv.maps, rp)
+	if pl != nil {
+		pl.fdinfo = infos
+	}
+	return pl, err
 }
 
 // zygoteView is what a rewind reads of a zygote: it never changes (the zygote is
@@ -441,11 +449,11 @@ func procFile(pid int, name string) (s string, err error) {
 
 // sameFds checks that the process holds the descriptors it held at the checkpoint, each
 // the same open file description as its zygote's (which shares them), and no lock it
-// did not hold then.
-func sameFds(pid, z int, rp *Proc) error {
+// did not hold then. It returns what it read of each descriptor's fdinfo.
+func sameFds(pid, z int, rp *Proc) (map[int]fdinfo, error) {
 	ents, err := os.ReadDir(procDir(pid) + "/fd")
 	if err != nil {
-		return err
+		return nil, err
 	}
 	var have []int
 	for _, e := range ents {
@@ -461,30 +469,32 @@ func sameFds(pid, z int, rp *Proc) error {
 		inoOf[fd.Fd] = fd.Ino
 	}
 	if !slices.Equal(have, had) {
-		return notRewound("process %d opened or closed descriptors since the checkpoint", rp.NSPid)
+		return nil, notRewound("process %d opened or closed descriptors since the checkpoint", rp.NSPid)
 	}
 	var fds []Fd
+	infos := make(map[int]fdinfo, len(rp.Fds))
 	for _, fd := range rp.Fds {
 		r, _, errno := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(z), kcmpFile, uintptr(fd.Fd), uintptr(fd.Fd), 0)
 		if errno != 0 {
-			return fmt.Errorf("kcmp descriptor %d of %d: %w", fd.Fd, pid, errno)
+			return nil, fmt.Errorf("kcmp descriptor %d of %d: %w", fd.Fd, pid, errno)
 		}
 		if r != 0 {
-			return notRewound("process %d: descriptor %d was opened again since the checkpoint", rp.NSPid, fd.Fd)
+			return nil, notRewound("process %d: descriptor %d was opened again since the checkpoint", rp.NSPid, fd.Fd)
 		}
 		fi, err := readFdinfo(pid, fd.Fd)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		fds = append(fds, Fd{Fd: fd.Fd, locks: fi.locks})
+		infos[fd.Fd] = fi
 	}
 	locks, err := locksOf(pid, fds)
 	if err != nil {
 		var in *Ineligible
 		if errors.As(err, &in) {
-			return notRewound("%s", in.Reason)
+			return nil, notRewound("%s", in.Reason)
 		}
-		return err
+		return nil, err
 	}
 	key := func(l Lock) string { return fmt.Sprint(inoOf[l.Fd], l.Write, l.Start, l.Len) }
 	held := map[string]bool{}
@@ -493,10 +503,10 @@ func sameFds(pid, z int, rp *Proc) error {
 	}
 	for _, l := range locks {
 		if !held[key(l)] {
-			return notRewound("process %d took a lock since the checkpoint", rp.NSPid)
+			return nil, notRewound("process %d took a lock since the checkpoint", rp.NSPid)
 		}
 	}
-	return nil
+	return infos, nil
 }
 
 // mapping is one line of a maps file.

@@ -116,7 +116,7 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 		t = time.Now()
 		for i := range r.Procs {
 			p := &r.Procs[i]
-			if err := fixup(p.spawned, zs[i], p); err != nil {
+			if err := fixup(p.spawned, zs[i], p, nil); err != nil {
 				return fmt.Errorf("process %d: %w", p.NSPid, err)
 			}
 		}
@@ -431,7 +431,7 @@ func pidHeld(proc string, nsPid int) bool {
 // fixup puts back in the new process c what its zygote z shares with the processes
 // forked from it before (offsets, flags, pipe contents) or what fork does not inherit
 // (locks, parent-death signal, subreaper flag).
-func fixup(c, z *ptrace.Tracee, p *Proc) error {
+func fixup(c, z *ptrace.Tracee, p *Proc, known map[int]fdinfo) error {
 	var s *ptrace.Scratch
 	scratch := func() (*ptrace.Scratch, error) {
 		if s != nil {
@@ -448,7 +448,7 @@ func fixup(c, z *ptrace.Tracee, p *Proc) error {
 	}()
 	root := fmt.Sprintf("/proc/%d/root", c.Pid)
 	for _, fd := range p.Fds {
-		if err := fixFd(c, z, fd, root, scratch); err != nil {
+		if err := fixFd(c, z, fd, root, scratch, known); err != nil {
 			return fmt.Errorf("descriptor %d (%s): %w", fd.Fd, fd.Path, err)
 		}
 	}
@@ -498,8 +498,9 @@ func sameInode(a, b string) bool {
 // settableFlags are the status flags fcntl(F_SETFL) changes (the access mode cannot).
 const settableFlags = unix.O_APPEND | unix.O_NONBLOCK | unix.O_ASYNC | unix.O_DIRECT | unix.O_NOATIME
 
-func fixFd(c, z *ptrace.Tracee, fd Fd, root string, scratch func() (*ptrace.Scratch, error)) error {
+func fixFd(c, z *ptrace.Tracee, fd Fd, root string, scratch func() (*ptrace.Scratch, error), known map[int]fdinfo) error {
 	link := fmt.Sprintf("/proc/%d/fd/%d", c.Pid, fd.Fd)
+	cur, ok := known[fd.Fd]
 	if fd.Kind == KindFile || fd.Kind == KindDir || fd.Kind == KindFIFO {
 		if !sameInode(filepath.Join(root, fd.Path), link) {
 			// The revert recreated the file: the inherited descriptor names the old,
@@ -507,11 +508,14 @@ func fixFd(c, z *ptrace.Tracee, fd Fd, root string, scratch func() (*ptrace.Scra
 			if err := reopen(c, fd, scratch); err != nil {
 				return err
 			}
+			ok = false // a new open file description
 		}
 	}
-	cur, err := readFdinfo(c.Pid, fd.Fd)
-	if err != nil {
-		return err
+	if !ok {
+		var err error
+		if cur, err = readFdinfo(c.Pid, fd.Fd); err != nil {
+			return err
+		}
 	}
 	if cur.flags&settableFlags != fd.Flags&settableFlags {
 		if _, err := c.Syscall(unix.SYS_FCNTL, uintptr(fd.Fd), unix.F_SETFL, uintptr(fd.Flags&settableFlags)); err != nil {
