@@ -17,11 +17,47 @@ func (r Range) String() string { return fmt.Sprintf("%x-%x", r.Start, r.End) }
 // return a normalised one; nil is the empty set.
 type Set []Range
 
-// Union is the addresses in s or in o.
+// Union is the addresses in s or in o. Normalised sets (the usual case) are merged in
+// one pass: a scan adds its pages to every set of a process (one per resident
+// checkpoint, of hundreds of ranges each), where sorting the two together cost ~2 ms
+// a scan (30 sets of 1,000 ranges and 150 new ones).
 func (s Set) Union(o Set) Set {
+	if !s.normalised() || !o.normalised() {
+		out := make(Set, 0, len(s)+len(o))
+		out = append(append(out, s...), o...)
+		return normalise(out)
+	}
+	switch { // shared, but clipped: an append to the union does not write into s or o
+	case len(o) == 0:
+		return s[:len(s):len(s)]
+	case len(s) == 0:
+		return o[:len(o):len(o)]
+	}
 	out := make(Set, 0, len(s)+len(o))
-	out = append(append(out, s...), o...)
-	return normalise(out)
+	add := func(r Range) {
+		if n := len(out); n > 0 && out[n-1].End >= r.Start {
+			out[n-1].End = max(out[n-1].End, r.End)
+			return
+		}
+		out = append(out, r)
+	}
+	i, j := 0, 0
+	for i < len(s) && j < len(o) {
+		if s[i].Start <= o[j].Start {
+			add(s[i])
+			i++
+		} else {
+			add(o[j])
+			j++
+		}
+	}
+	for ; i < len(s); i++ {
+		add(s[i])
+	}
+	for ; j < len(o); j++ {
+		add(o[j])
+	}
+	return out
 }
 
 // Intersect is the addresses in both s and o.
@@ -77,12 +113,21 @@ func (s Set) Bytes() uint64 {
 // norm returns s itself when it is already normalised (the common case: no copy), else
 // a normalised copy.
 func (s Set) norm() Set {
+	if s.normalised() {
+		return s
+	}
+	return normalise(slices.Clone(s))
+}
+
+// normalised reports whether s is sorted, its ranges non-empty, disjoint and not
+// adjacent.
+func (s Set) normalised() bool {
 	for i, r := range s {
 		if r.Start >= r.End || (i > 0 && s[i-1].End >= r.Start) {
-			return normalise(slices.Clone(s))
+			return false
 		}
 	}
-	return s
+	return true
 }
 
 // normalise sorts s in place, drops empty ranges and merges overlapping or adjacent

@@ -1,6 +1,8 @@
 package dirty
 
 import (
+	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -109,5 +111,36 @@ func TestSetDoesNotAlias(t *testing.T) {
 	a.Subtract(b)
 	if diff := cmp.Diff(Set{{30, 40}, {10, 20}}, a); diff != "" {
 		t.Errorf("operand changed (-before +after):\n%s", diff)
+	}
+}
+
+// TestUnionMerge: the one-pass Union of normalised sets gives what sorting the two
+// together gives, on random sets (overlapping, adjacent, nested, empty), and its result
+// shares no room with its operands that an append could write into.
+func TestUnionMerge(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 7))
+	random := func(n int) Set {
+		var s Set
+		for i := 0; i < n; i++ {
+			a := uint64(rng.IntN(512)) * 4096
+			s = append(s, Range{a, a + uint64(1+rng.IntN(8))*4096})
+		}
+		return normalise(s)
+	}
+	for i := 0; i < 2000; i++ {
+		a, b := random(rng.IntN(40)), random(rng.IntN(40))
+		want := normalise(append(append(Set{}, a...), b...))
+		got := a.Union(b)
+		if !cmp.Equal(got, want) {
+			t.Fatalf("%v ∪ %v = %v, want %v", a, b, got, want)
+		}
+		if !got.normalised() {
+			t.Fatalf("%v ∪ %v = %v: not normalised", a, b, got)
+		}
+		aa, bb := slices.Clone(a), slices.Clone(b)
+		_ = append(got, Range{1 << 40, 1<<40 + 4096})
+		if !cmp.Equal(a, aa) || !cmp.Equal(b, bb) {
+			t.Fatalf("an append to %v ∪ %v changed an operand", aa, bb)
+		}
 	}
 }
