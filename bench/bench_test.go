@@ -223,6 +223,9 @@ func TestW2Smoke(t *testing.T) {
 			t.Errorf("%s: %d samples (min %v), want %d, each above 0", name, s.N, s.Min, want)
 		}
 	}
+	if x.RollbackSteps.N != 4 || x.RollbackSteps.Min < 1 {
+		t.Errorf("rollback_steps: %d samples (min %v), want 4, each at least one step", x.RollbackSteps.N, x.RollbackSteps.Min)
+	}
 	if x.REPLMS.Mean >= x.StepMS.Mean {
 		t.Errorf("the REPL statement (mean %v ms) is not part of the step (mean %v ms)", x.REPLMS.Mean, x.StepMS.Mean)
 	}
@@ -231,5 +234,23 @@ func TestW2Smoke(t *testing.T) {
 	}
 	if x.FloorS <= 0 || x.TotalS <= 0 {
 		t.Errorf("floor %v s, search %v s: want both above 0", x.FloorS, x.TotalS)
+	}
+}
+
+// TestDistance: the steps between two nodes of a search tree go up to their common
+// ancestor and down again.
+func TestDistance(t *testing.T) {
+	root := &node{ck: "root"}
+	a := &node{ck: "a", parent: root}
+	a1 := &node{ck: "a1", parent: a}
+	a2 := &node{ck: "a2", parent: a1}
+	b := &node{ck: "b", parent: root}
+	for _, tc := range []struct {
+		x, y *node
+		want int
+	}{{a2, a2, 0}, {a2, a1, 1}, {a1, a2, 1}, {a2, root, 3}, {a2, b, 4}, {b, a1, 3}, {a2, &node{ck: "elsewhere"}, -1}} {
+		if got := distance(tc.x, tc.y); got != tc.want {
+			t.Errorf("distance(%s, %s) = %d, want %d", tc.x.ck, tc.y.ck, got, tc.want)
+		}
 	}
 }

@@ -154,6 +154,7 @@ func (r *Report) printSearch(w io.Writer) {
 		fmt.Fprintf(w, "  step p50/p95/p99 %.1f/%.1f/%.1f ms in the search, %.1f/%.1f/%.1f ms without snapshots; its REPL statement %.1f/%.1f/%.1f and %.1f/%.1f/%.1f ms\n",
 			x.StepMS.P50, x.StepMS.P95, x.StepMS.P99, x.FloorStepMS.P50, x.FloorStepMS.P95, x.FloorStepMS.P99,
 			x.REPLMS.P50, x.REPLMS.P95, x.REPLMS.P99, x.FloorREPLMS.P50, x.FloorREPLMS.P95, x.FloorREPLMS.P99)
+		fmt.Fprintf(w, "  rollbacks went p50 %.0f, max %.0f steps in the tree (to the common ancestor and back down)\n", x.RollbackSteps.P50, x.RollbackSteps.Max)
 		printResident(w, "  ", x.Standby)
 		printPhases(w, "  ", "checkpoint", x.CheckpointPhasesP50MS)
 		printPhases(w, "  ", "rollback", x.RollbackPhasesP50MS)

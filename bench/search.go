@@ -25,6 +25,10 @@ type W2Report struct {
 	OverheadPct  float64 `json:"overhead_pct"`
 	CheckpointMS Stats   `json:"checkpoint_ms"`
 	RollbackMS   Stats   `json:"rollback_ms"`
+	// RollbackSteps is how far each rollback went in the tree: the steps from the node
+	// rolled back from, up to the two nodes' common ancestor and down to the target
+	// (what its revert and copy must undo and redo).
+	RollbackSteps Stats `json:"rollback_steps"`
 	// FloorStepMS and StepMS time the steps alone, without snapshots (the floor) and in
 	// the search: what the search's total holds beyond its checkpoints and rollbacks is
 	// the steps' slowdown (the faults of their first writes to pages the zygotes share,
@@ -87,6 +91,20 @@ func uct(nodes []*node, total int, skip string) *node {
 	return best
 }
 
+// distance is the number of steps between two nodes of the tree.
+func distance(a, b *node) int {
+	depth := map[*node]int{}
+	for n, d := a, 0; n != nil; n, d = n.parent, d+1 {
+		depth[n] = d
+	}
+	for n, d := b, 0; n != nil; n, d = n.parent, d+1 {
+		if da, ok := depth[n]; ok {
+			return da + d
+		}
+	}
+	return -1 // not in one tree
+}
+
 // w2Expansions is W2's number of expansions (REFERENCE.md: 100, 49 of them after a
 // rollback); a test makes fewer.
 var w2Expansions = 100
@@ -143,7 +161,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	b.w.ckPhases = ckPhases
 	before := b.e.Stats()
 	var elapsed time.Duration
-	var ckMS, rbMS, stepMS, replMS []float64
+	var ckMS, rbMS, stepMS, replMS, steps []float64
 	ck0, d, err := b.w.checkpoint(ctx)
 	if err != nil {
 		return nil, err
@@ -156,6 +174,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		t := time.Now()
 		if i%2 == 1 && i < expansions-2 { // 49 rollbacks of 100
 			target := uct(nodes, i, cur.ck)
+			steps = append(steps, float64(distance(cur, target)))
 			rb := time.Now()
 			if err := traced(ctx, "rollback to "+target.ck, rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target.ck) }); err != nil {
 				return nil, fmt.Errorf("w2 rollback: %w", err)
@@ -192,7 +211,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	rep.TotalS = elapsed.Seconds()
 	rep.OverheadPct = 100 * (rep.TotalS - rep.FloorS) / rep.FloorS
 	rep.CheckpointMS, rep.RollbackMS, rep.StepMS = summarize(ckMS), summarize(rbMS), summarize(stepMS)
-	rep.REPLMS = summarize(replMS)
+	rep.REPLMS, rep.RollbackSteps = summarize(replMS), summarize(steps)
 	rep.CheckpointPhasesP50MS, rep.RollbackPhasesP50MS = p50s(ckPhases), p50s(rbPhases)
 	rep.RollbacksRewound, rep.RewindsRefused = len(rbPhases["rewound"]), len(rbPhases["rewind_refused"])
 	rep.RewindsRefusedForCopy = len(rbPhases["rewind_refused_copy"])
