@@ -579,3 +579,39 @@ func TestSetVDSO(t *testing.T) {
 		t.Errorf("the replica answered %v after the calls", got)
 	}
 }
+
+// TestDropPending: a signal that arrives while a tracee is stopped for us is held back
+// (noted when an injected call meets it) and delivered by Detach, unless dropped: a
+// SIGUSR1, which ends the replica, dropped, leaves it answering.
+func TestDropPending(t *testing.T) {
+	requireRoot(t)
+	for _, drop := range []bool{false, true} {
+		c, tr, tc := stoppedReplica(t)
+		pid := c.cmd.Process.Pid
+		if err := unix.Kill(pid, unix.SIGUSR1); err != nil {
+			t.Fatal(err)
+		}
+		err := tr.Do(func() error {
+			if got, err := tc.Syscall(unix.SYS_GETPID); err != nil || int(got) != pid {
+				return fmt.Errorf("getpid with a signal pending: %d, %v", got, err)
+			}
+			if drop {
+				tc.DropPending()
+			}
+			return tc.Detach()
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if drop {
+			if got := c.ask(t); got[0] != strconv.Itoa(pid) {
+				t.Errorf("after the signal was dropped, the replica answered %v", got)
+			}
+			continue
+		}
+		err = c.cmd.Wait()
+		if ws, ok := c.cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != unix.SIGUSR1 {
+			t.Errorf("not dropped, the signal did not end the replica: %v", err)
+		}
+	}
+}

@@ -237,8 +237,10 @@ func park(r *Record, zs []*ptrace.Tracee, o SpawnOptions) {
 		}
 		freezer.Write(r.Procs[i].Cgroup, freezer.Frozen)
 		// Stopped by us in a frozen cgroup, each freezes as soon as it is let go: its
-		// own registers can go back now.
+		// own registers can go back now. A signal that reached a zygote came after its
+		// checkpoint (a fork leaves none pending): it is dropped, not delivered.
 		z.Unpark()
+		z.DropPending()
 		z.Detach()
 		if c := r.Procs[i].spawned; c != nil {
 			c.Unpark()
