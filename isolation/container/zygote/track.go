@@ -51,14 +51,16 @@ type track struct {
 	nsPid int
 	t     *dirty.Tracker
 	// differ holds, by zygote (of a checkpoint taken while tracked), the pages in which
-	// the process may differ from it.
+	// the process may differ from it; under making, while a capture makes one, the set
+	// of the zygote to come.
 	differ map[isolation.Proc]dirty.Set
-	// next, while open, is the set of the zygote a capture is making: started empty by
-	// before, given to that zygote by captured. A scan in between (a rewind's later
-	// scan, once the process runs again) adds to it like to the others.
-	next     dirty.Set
-	nextOpen bool
 }
+
+// making is the key of the set of the zygote a capture is making (no process is PID
+// 0): started empty by before, moved to that zygote's own key by captured. A scan in
+// between (a rewind's later scan, once the process runs again) adds to it as to every
+// set.
+var making = isolation.Proc{}
 
 // Supported says whether this kernel can track writes (dirty.Supported).
 func Supported() error { return dirty.Supported() }
@@ -82,7 +84,7 @@ func (ts *Tracks) before(procs []*ptrace.Tracee, zps []*Proc) {
 			d, err := k.t.ScanMaps(zps[i].maps)
 			if err == nil {
 				k.add(d)
-				k.next, k.nextOpen = nil, true
+				k.differ[making] = nil
 				continue
 			}
 			ts.drop(p.Pid)
@@ -98,7 +100,7 @@ func (ts *Tracks) before(procs []*ptrace.Tracee, zps []*Proc) {
 		if ts.procs == nil {
 			ts.procs = map[int]*track{}
 		}
-		ts.procs[p.Pid] = &track{proc: proc, nsPid: zps[i].NSPid, t: t, differ: map[isolation.Proc]dirty.Set{}, nextOpen: true}
+		ts.procs[p.Pid] = &track{proc: proc, nsPid: zps[i].NSPid, t: t, differ: map[isolation.Proc]dirty.Set{making: nil}}
 	}
 }
 
@@ -114,9 +116,13 @@ func (ts *Tracks) captured(rec *Record, pids []int) {
 	defer ts.mu.Unlock()
 	var zs []Proc
 	for i, pid := range pids {
-		if k := ts.procs[pid]; k != nil && k.nextOpen && i < len(rec.Procs) {
-			k.differ[rec.Procs[i].Zygote] = k.next
-			k.next, k.nextOpen = nil, false
+		if k := ts.procs[pid]; k != nil && i < len(rec.Procs) {
+			next, ok := k.differ[making]
+			if !ok {
+				continue
+			}
+			k.differ[rec.Procs[i].Zygote] = next
+			delete(k.differ, making)
 			zs = append(zs, rec.Procs[i])
 		}
 	}
@@ -180,9 +186,6 @@ func (k *track) add(d dirty.Set) {
 	for z, s := range k.differ {
 		k.differ[z] = s.Union(d)
 	}
-	if k.nextOpen {
-		k.next = k.next.Union(d)
-	}
 }
 
 // Forget drops the sets of the zygotes of rec (they are ending), and of any other
@@ -195,7 +198,9 @@ func (ts *Tracks) Forget(rec *Record) {
 	defer ts.mu.Unlock()
 	gone := map[isolation.Proc]bool{}
 	for _, p := range rec.Procs {
-		gone[p.Zygote] = true
+		if p.Zygote != making { // a provisional record names none
+			gone[p.Zygote] = true
+		}
 	}
 	for z := range ts.views {
 		if gone[z] || !z.Alive() {

@@ -16,7 +16,7 @@ import (
 func TestCapturedKeepsPagesScannedBetween(t *testing.T) {
 	older, newer := isolation.Proc{Pid: 1 << 30, StartTime: 1}, isolation.Proc{Pid: 1<<30 + 1, StartTime: 2}
 	// As before leaves a tracked process: an older zygote's set, and the new one open.
-	k := &track{differ: map[isolation.Proc]dirty.Set{older: {{Start: 0x1000, End: 0x2000}}}, nextOpen: true}
+	k := &track{differ: map[isolation.Proc]dirty.Set{older: {{Start: 0x1000, End: 0x2000}}, making: nil}}
 	ts := &Tracks{procs: map[int]*track{42: k}}
 	between := dirty.Set{{Start: 0x8000, End: 0xa000}}
 	k.add(between)
@@ -27,8 +27,8 @@ func TestCapturedKeepsPagesScannedBetween(t *testing.T) {
 	if want := (dirty.Set{{Start: 0x1000, End: 0x2000}, {Start: 0x8000, End: 0xa000}}); !slices.Equal(k.differ[older], want) {
 		t.Errorf("the older zygote's set is %v, want %v", k.differ[older], want)
 	}
-	if k.nextOpen || k.next != nil {
-		t.Errorf("captured left the next set open (%v)", k.next)
+	if next, ok := k.differ[making]; ok {
+		t.Errorf("captured left the next set open (%v)", next)
 	}
 	// From here on a scan goes into both sets, the closed next set none.
 	later := dirty.Set{{Start: 0x20000, End: 0x21000}}
@@ -36,8 +36,8 @@ func TestCapturedKeepsPagesScannedBetween(t *testing.T) {
 	if got := k.differ[newer]; !slices.Equal(got, between.Union(later)) {
 		t.Errorf("after a later scan the new zygote's set is %v, want %v", got, between.Union(later))
 	}
-	if k.next != nil {
-		t.Errorf("a closed next set grew: %v", k.next)
+	if next, ok := k.differ[making]; ok {
+		t.Errorf("a closed next set grew: %v", next)
 	}
 	// A process whose next set was not opened (not scanned by this capture's before)
 	// gets no set for the new zygote.
