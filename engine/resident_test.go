@@ -687,6 +687,48 @@ func TestRewindRefusedForCopy(t *testing.T) {
 	}
 }
 
+// TestRewindAfterFork: a rollback that forks new processes from the zygotes does not
+// end the rewinds. The new processes are tracked from their birth, against their own
+// checkpoint and against every other of theirs: with c1 (x=1, big all 'z') and c2
+// (x=2, its first MiB 'a'), a rollback to c1 over 16 MiB written forks; the rollback to
+// c2 that follows is rewound in place (it brings back c2's MiB, which the new process
+// never wrote), and so is one to c1 after it.
+func TestRewindAfterFork(t *testing.T) {
+	ctx := context.Background()
+	e, sb, r, c1 := bigREPL(t, 16)
+	r.ask("x = 2\nbig[:1 << 20] = b'a' * (1 << 20)")
+	c2 := residentCheckpoint(t, e, sb.ID)
+	rollback := func(ck *model.Checkpoint) []string {
+		t.Helper()
+		pctx, phases := phaseNames(ctx)
+		if err := e.Rollback(pctx, sb.ID, ck.ID); err != nil {
+			t.Fatal(err)
+		}
+		return phases()
+	}
+	r.ask("x = 3\nbig[:] = b'y' * len(big)")
+	if ph := rollback(c1); slices.Contains(ph, "rewound") || !slices.Contains(ph, "spawn_track") {
+		t.Fatalf("a rollback to c1 over 16 MiB written: phases %v, want a fork (spawn) that tracks its processes", ph)
+	}
+	if got := r.ask("print(x, big[0], big[(1 << 20) - 1], big[1 << 20], big[-1])"); got != "1 122 122 122 122" {
+		t.Fatalf("after the fork to c1: %q, want 1 122 122 122 122", got)
+	}
+	r.ask("x = 4")
+	if ph := rollback(c2); !slices.Contains(ph, "rewound") {
+		t.Fatalf("the rollback to c2 after a fork was not rewound in place: phases %v", ph)
+	}
+	if got := r.ask("print(x, big[0], big[(1 << 20) - 1], big[1 << 20], big[-1])"); got != "2 97 97 122 122" {
+		t.Fatalf("after the rewind to c2: %q, want 2 97 97 122 122", got)
+	}
+	r.ask("x = 5\nbig[-1] = 0")
+	if ph := rollback(c1); !slices.Contains(ph, "rewound") {
+		t.Fatalf("the rollback to c1 after the rewind to c2 was not rewound in place: phases %v", ph)
+	}
+	if got := r.ask("print(x, big[0], big[(1 << 20) - 1], big[1 << 20], big[-1])"); got != "1 122 122 122 122" {
+		t.Fatalf("after the rewind to c1: %q, want 1 122 122 122 122", got)
+	}
+}
+
 // phaseNames returns ctx with a phase recorder, and what returns the names of the
 // phases reported to it so far.
 func phaseNames(ctx context.Context) (context.Context, func() []string) {

@@ -480,7 +480,7 @@ func (b *Backend) RollbackResident(ctx context.Context, sb *isolation.Sandbox, d
 		return freeze(sb.CgroupName())
 	}
 	pids, err := zygote.Spawn(ctx, b.res.tr(), rec, zygote.SpawnOptions{SetLastPid: helper.set, Reverted: forked,
-		Reap: reap, Logf: b.Logf, Phase: prefixed(ctx, "spawn_")})
+		Reap: reap, Logf: b.Logf, Phase: prefixed(ctx, "spawn_"), Tracks: b.tracks(sb, true)})
 	if rerr := waitRevert(); err == nil {
 		err = rerr
 	}

@@ -33,8 +33,12 @@ type SpawnOptions struct {
 	Reap func(done func() bool) error
 	Logf func(format string, args ...any)
 	// Phase, if set, is told how long each phase took ("stop", "fork", "reverted",
-	// "fixups", "park").
+	// "fixups", "track", "park").
 	Phase func(name string, d time.Duration)
+	// Tracks, if set, follows the new processes' writes from their birth, so that a
+	// later rollback can bring them back in place (Rewind) to this checkpoint or to any
+	// other of theirs.
+	Tracks *Tracks
 
 	// resume moves the next PID back past every PID given in the namespace (set by
 	// Spawn).
@@ -121,6 +125,13 @@ func Spawn(ctx context.Context, tr *ptrace.Tracer, r *Record, o SpawnOptions) ([
 			}
 		}
 		report(o.Phase, "fixups", t)
+		if o.Tracks != nil {
+			t = time.Now()
+			for i := range r.Procs {
+				o.Tracks.spawned(r.Procs[i].spawned, &r.Procs[i])
+			}
+			report(o.Phase, "track", t)
+		}
 		return nil
 	})
 	if err != nil {

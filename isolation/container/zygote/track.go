@@ -22,6 +22,14 @@ import (
 // The sets are supersets: a page in one may be equal to the zygote's, none outside it
 // differs.
 //
+// A process forked from a zygote by a rollback (Spawn) is tracked from its birth: it is
+// its zygote then, so its set for that zygote starts empty, and its set for any other
+// zygote of the same process is the pages in which the two zygotes may differ. Those
+// come from the captures: when a zygote is made, the process's set for each older
+// zygote is the pages in which the new one may differ from that one (relate). So a
+// rollback that forked does not end the rewinds: the next rollback, to any checkpoint
+// of the process, can rewind the new process in place.
+//
 // Tracks live in cairn's memory only: a restarted cairn has none, and its rollbacks
 // fork from the zygotes as before. The zero value is ready to use.
 type Tracks struct {
@@ -30,6 +38,24 @@ type Tracks struct {
 	procs map[int]*track
 	// views are what rewinds read of the zygotes, by zygote; protected by mu.
 	views map[isolation.Proc]*zygoteView
+	// rel holds, for two zygotes of the same process, the pages in which they may
+	// differ (the same set under both): rel[a][b] == rel[b][a]. Protected by mu.
+	rel map[isolation.Proc]map[isolation.Proc]dirty.Set
+}
+
+// relate records that zygotes a and b may differ in the pages of s. Callers hold mu.
+func (ts *Tracks) relate(a, b isolation.Proc, s dirty.Set) {
+	if ts.rel == nil {
+		ts.rel = map[isolation.Proc]map[isolation.Proc]dirty.Set{}
+	}
+	for _, x := range [2][2]isolation.Proc{{a, b}, {b, a}} {
+		m := ts.rel[x[0]]
+		if m == nil {
+			m = map[isolation.Proc]dirty.Set{}
+			ts.rel[x[0]] = m
+		}
+		m[x[1]] = s
+	}
 }
 
 // viewOf returns the view of zygote z (empty until loaded). Callers hold mu.
@@ -121,7 +147,15 @@ func (ts *Tracks) captured(rec *Record, pids []int) {
 			if !ok {
 				continue
 			}
-			k.differ[rec.Procs[i].Zygote] = next
+			// The new zygote is the process as before scanned it: it may differ from
+			// each older zygote where the process did then (or since: a superset).
+			z := rec.Procs[i].Zygote
+			for old, s := range k.differ {
+				if old != making {
+					ts.relate(z, old, s)
+				}
+			}
+			k.differ[z] = next
 			delete(k.differ, making)
 			zs = append(zs, rec.Procs[i])
 		}
@@ -149,6 +183,38 @@ func (ts *Tracks) preload(ps []Proc) {
 		}
 		ts.mu.Unlock()
 	}
+}
+
+// spawned starts tracking c, a process just forked by Spawn from the zygote of p (c is
+// stopped, and has not run an instruction of its own: its memory is the zygote's). Its
+// set for that zygote starts empty; for every other zygote of the process, it is the
+// pages in which the two zygotes may differ. A process that cannot be tracked is not
+// (its rollbacks fork), and the spawn goes on.
+//
+// Preconditions: called on the tracer's thread.
+func (ts *Tracks) spawned(c *ptrace.Tracee, p *Proc) {
+	if ts == nil {
+		return
+	}
+	proc, err := isolation.ProcOf(c.Pid)
+	if err != nil {
+		return
+	}
+	t, err := dirty.Register(c)
+	if err != nil {
+		return
+	}
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	ts.drop(c.Pid) // a process of that PID before, gone
+	differ := map[isolation.Proc]dirty.Set{p.Zygote: nil}
+	for z, s := range ts.rel[p.Zygote] {
+		differ[z] = s
+	}
+	if ts.procs == nil {
+		ts.procs = map[int]*track{}
+	}
+	ts.procs[c.Pid] = &track{proc: proc, nsPid: p.NSPid, t: t, differ: differ}
 }
 
 // later scans the processes pids into every set, on a goroutine of its own (a scan
@@ -206,6 +272,22 @@ func (ts *Tracks) Forget(rec *Record) {
 		if gone[z] || !z.Alive() {
 			gone[z] = true
 			delete(ts.views, z)
+		}
+	}
+	for z := range ts.rel {
+		if gone[z] || !z.Alive() {
+			gone[z] = true
+		}
+	}
+	for z, m := range ts.rel {
+		if gone[z] {
+			delete(ts.rel, z)
+			continue
+		}
+		for o := range m {
+			if gone[o] {
+				delete(m, o)
+			}
 		}
 	}
 	for _, k := range ts.procs {

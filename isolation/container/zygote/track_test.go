@@ -1,6 +1,7 @@
 package zygote
 
 import (
+	"os"
 	"slices"
 	"testing"
 
@@ -46,5 +47,49 @@ func TestCapturedKeepsPagesScannedBetween(t *testing.T) {
 	ts.captured(&Record{Procs: []Proc{{Zygote: newer}}}, []int{43})
 	if _, ok := k2.differ[newer]; ok {
 		t.Error("captured gave a set to a process before did not scan")
+	}
+}
+
+// TestCapturedRelatesZygotes: a capture records, for its new zygote and each older one
+// of the process, the pages in which the two may differ (the process's set for the
+// older one then), under both; a process Spawn forks from one of them starts with those
+// sets (spawned, through the relation); Forget drops the relations of zygotes that end.
+func TestCapturedRelatesZygotes(t *testing.T) {
+	self, err := isolation.ProcOf(os.Getpid()) // alive: Forget keeps what is not ending
+	if err != nil {
+		t.Fatal(err)
+	}
+	older, newer := self, isolation.Proc{Pid: 1 << 30, StartTime: 2}
+	written := dirty.Set{{Start: 0x1000, End: 0x3000}}
+	k := &track{differ: map[isolation.Proc]dirty.Set{older: written, making: nil}}
+	ts := &Tracks{procs: map[int]*track{42: k}}
+	ts.captured(&Record{Procs: []Proc{{Zygote: newer}}}, []int{42})
+	for _, p := range [][2]isolation.Proc{{newer, older}, {older, newer}} {
+		if got, ok := ts.rel[p[0]][p[1]]; !ok || !slices.Equal(got, written) {
+			t.Errorf("relation %v→%v: %v (%v), want %v", p[0], p[1], got, ok, written)
+		}
+	}
+	// Later writes of the process do not change what the two zygotes are.
+	k.add(dirty.Set{{Start: 0x9000, End: 0xa000}})
+	if got := ts.rel[newer][older]; !slices.Equal(got, written) {
+		t.Errorf("a later scan changed the relation: %v, want %v", got, written)
+	}
+	// The zygote of a second capture relates to both.
+	newest := isolation.Proc{Pid: 1<<30 + 1, StartTime: 3}
+	k.differ[making] = nil
+	ts.captured(&Record{Procs: []Proc{{Zygote: newest}}}, []int{42})
+	if got := ts.rel[newest][older]; !slices.Equal(got, written.Union(dirty.Set{{Start: 0x9000, End: 0xa000}})) {
+		t.Errorf("relation newest→older: %v", got)
+	}
+	if got, ok := ts.rel[newest][newer]; !ok || !slices.Equal(got, dirty.Set{{Start: 0x9000, End: 0xa000}}) {
+		t.Errorf("relation newest→newer: %v (%v), want the later scan's pages", got, ok)
+	}
+	// The newest zygote ends: its relations go, under both keys.
+	ts.Forget(&Record{Procs: []Proc{{Zygote: newest}}})
+	if _, ok := ts.rel[newest]; ok {
+		t.Error("Forget kept the relations of an ended zygote")
+	}
+	if _, ok := ts.rel[older][newest]; ok {
+		t.Error("Forget kept a relation to an ended zygote")
 	}
 }
