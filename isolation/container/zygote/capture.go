@@ -52,9 +52,6 @@ type CaptureOptions struct {
 	// Tracks, if set, follows the processes' writes from here on, so that a rollback to
 	// this checkpoint can bring them back in place (Rewind).
 	Tracks *Tracks
-
-	// rootMounts are the root mount IDs of the mount namespaces seen so far.
-	rootMounts map[string]int
 }
 
 func (o *CaptureOptions) report(name string, start time.Time) {
@@ -303,20 +300,9 @@ func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
 // scan records a stopped process (what /proc shows, and what only the process can tell
 // about itself) and names its zygote's cgroup; inside is the time the latter took.
 func (o *CaptureOptions) scan(p *ptrace.Tracee) (zp *Proc, inside time.Duration, err error) {
-	// The processes of a sandbox share its mount namespace: its mountinfo is read once.
-	ns, err := os.Readlink(procDir(p.Pid) + "/ns/mnt")
+	root, err := rootMount(p.Pid)
 	if err != nil {
 		return nil, 0, err
-	}
-	root, ok := o.rootMounts[ns]
-	if !ok {
-		if root, err = rootMount(p.Pid); err != nil {
-			return nil, 0, err
-		}
-		if o.rootMounts == nil {
-			o.rootMounts = map[string]int{}
-		}
-		o.rootMounts[ns] = root
 	}
 	if zp, err = scan(p.Pid, root); err != nil {
 		return nil, 0, err

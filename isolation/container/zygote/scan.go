@@ -14,7 +14,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/cairn-sandbox/cairn/internal/mountinfo"
 	"github.com/cairn-sandbox/cairn/internal/ptrace"
 	"github.com/cairn-sandbox/cairn/isolation"
 )
@@ -212,18 +211,17 @@ func pathInode(pid int, link string) (Inode, error) {
 	return Inode{Path: path, Dev: s.Dev, Ino: s.Ino}, nil
 }
 
-// rootMount is the mount ID of the root filesystem as pid sees it.
+// rootMount is the mount ID of pid's root directory (statx of /proc/<pid>/root: a few
+// microseconds, where reading its mountinfo took ~50), the ID fdinfo's mnt_id gives.
 func rootMount(pid int) (int, error) {
-	ms, err := mountinfo.Read(pid)
-	if err != nil {
-		return 0, err
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, procDir(pid)+"/root", 0, unix.STATX_MNT_ID, &st); err != nil {
+		return 0, fmt.Errorf("process %d: the mount of its root: %w", pid, err)
 	}
-	for _, m := range ms {
-		if m.MountPoint == "/" {
-			return m.ID, nil
-		}
+	if st.Mask&unix.STATX_MNT_ID == 0 {
+		return 0, fmt.Errorf("process %d: the mount of its root: statx gives no mount ID on this kernel (Linux 5.8 or later needed)", pid)
 	}
-	return 0, fmt.Errorf("process %d: no root in its mountinfo", pid)
+	return int(st.Mnt_id), nil
 }
 
 // fdinfo is what /proc/<pid>/fdinfo/<fd> says.

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/cairn-sandbox/cairn/internal/mountinfo"
 )
 
 // TestReadProcWhole checks that readProc reads a seq_file to its end: a read returns at
@@ -80,4 +82,39 @@ func readProcBytes(name string) (got []byte, err error) {
 		return nil
 	})
 	return got, err
+}
+
+// TestRootMount: the root's mount ID from statx is the one mountinfo gives the topmost
+// mount on "/" (and fdinfo's mnt_id for a file opened there), the ID space scan compares
+// descriptors' mounts in.
+func TestRootMount(t *testing.T) {
+	got, err := rootMount(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ms, err := mountinfo.Read(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := -1
+	for _, m := range ms {
+		if m.MountPoint == "/" {
+			want = m.ID // the last one is on top
+		}
+	}
+	if got != want {
+		t.Errorf("rootMount = %d, mountinfo's / is %d", got, want)
+	}
+	f, err := os.Open("/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, err := readFdinfo(os.Getpid(), int(f.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.mnt != got {
+		t.Errorf("fdinfo of / says mount %d, rootMount %d", fi.mnt, got)
+	}
 }
