@@ -729,6 +729,58 @@ func TestRewindAfterFork(t *testing.T) {
 	}
 }
 
+// TestRewindLocks: a rewind gives the process back the POSIX locks it held at the
+// checkpoint: one released since is taken again, one still held is left as it is, and
+// one on a file the root's revert recreated is taken again on the new file. held()
+// asks a child of the REPL whether it can take the lock itself.
+func TestRewindLocks(t *testing.T) {
+	ctx := context.Background()
+	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
+	sb, r := newREPL(t, e, true)
+	r.ask(`import fcntl, os
+f = open('/lk', 'w+')
+f.write('x' * 100)
+f.flush()
+fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 0)
+def held():
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fcntl.lockf(open('/lk', 'r+'), fcntl.LOCK_EX | fcntl.LOCK_NB, 10, 0)
+            os._exit(0)
+        except OSError:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] >> 8 == 1
+
+x = 1`)
+	if got := r.ask("print(held())"); got != "True" {
+		t.Fatalf("before the checkpoint: held() = %q, want True", got)
+	}
+	c1 := residentCheckpoint(t, e, sb.ID)
+	rollback := func(what string) {
+		t.Helper()
+		pctx, phases := phaseNames(ctx)
+		if err := e.Rollback(pctx, sb.ID, c1.ID); err != nil {
+			t.Fatal(err)
+		}
+		if ph := phases(); !slices.Contains(ph, "rewound") {
+			t.Fatalf("%s: the rollback was not rewound in place: phases %v", what, ph)
+		}
+		if got := r.ask("print(x, held(), os.stat('/lk').st_size)"); got != "1 True 100" {
+			t.Fatalf("%s: after the rewind: %q, want 1 True 100", what, got)
+		}
+	}
+	r.ask("fcntl.lockf(f, fcntl.LOCK_UN, 10, 0)\nx = 2")
+	if got := r.ask("print(held())"); got != "False" {
+		t.Fatalf("after the unlock: held() = %q, want False", got)
+	}
+	rollback("the lock released since")
+	r.ask("x = 3")
+	rollback("the lock still held")
+	r.ask("os.unlink('/lk')\nx = 4")
+	rollback("the file deleted since")
+}
+
 // phaseNames returns ctx with a phase recorder, and what returns the names of the
 // phases reported to it so far.
 func phaseNames(ctx context.Context) (context.Context, func() []string) {

@@ -79,9 +79,10 @@ type RewindOptions struct {
 	// run an instruction of its own again).
 	Failed func()
 	// Phase, if set, is told how long each phase took ("lock", "live", "do" (the wait
-	// for the tracer's thread), "stop", "check", "scan", "memory", "reverted",
-	// "fixups", "sets", "detach"; "refused_copy" when the rewind is refused for the
-	// pages it would copy back).
+	// for the tracer's thread), "stop", "check", "scan", "memory" (its steps
+	// "memory_calls", "fixups_early", "memory_copy", summed over the processes),
+	// "reverted", "fixups", "sets", "detach"; "refused_copy" when the rewind is refused
+	// for the pages it would copy back).
 	Phase func(name string, d time.Duration)
 }
 
@@ -247,7 +248,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		t = time.Now()
 		for i, p := range procs {
 			rp := &r.Procs[order[i]]
-			if err := fixup(p, nil, rp, plans[i].fdinfo); err != nil {
+			if err := fixLate(p, rp, plans[i].fdinfo, plans[i].held); err != nil {
 				return fmt.Errorf("process %d: %w", rp.NSPid, err)
 			}
 		}
@@ -295,10 +296,13 @@ type plan struct {
 	copy    dirty.Set
 	scratch uint64
 	// maps are the process's mappings as check read them (it is stopped), fdinfo its
-	// descriptors' (a rewind changes neither their offsets nor their flags: the fixups
-	// use them, unless they open a descriptor again).
+	// descriptors' (fixEarly sets their offsets and flags back, and the late fixups
+	// read them again only for a descriptor they open again).
 	maps   []mapping
 	fdinfo map[int]fdinfo
+	// held are the POSIX locks the process holds (all of them held at the checkpoint:
+	// check refuses one taken since); the fixups take again only the others.
+	held []Lock
 }
 
 type protRange struct {
@@ -358,7 +362,7 @@ func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.D
 	}
 	report(phase, "check_proc", t)
 	t = time.Now()
-	infos, err := sameFds(p.Pid, rp.Zygote.Pid, rp)
+	infos, held, err := sameFds(p.Pid, rp.Zygote.Pid, rp)
 	if err != nil {
 		return nil, err
 	}
@@ -367,7 +371,7 @@ func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.D
 	defer report(phase, "check_maps", t)
 	pl, err := planMaps(p.Pid, rp.Zygote.Pid, zv.maps, rp)
 	if pl != nil {
-		pl.fdinfo = infos
+		pl.fdinfo, pl.held = infos, held
 	}
 	return pl, err
 }
@@ -449,11 +453,12 @@ func procFile(pid int, name string) (s string, err error) {
 
 // sameFds checks that the process holds the descriptors it held at the checkpoint, each
 // the same open file description as its zygote's (which shares them), and no lock it
-// did not hold then. It returns what it read of each descriptor's fdinfo.
-func sameFds(pid, z int, rp *Proc) (map[int]fdinfo, error) {
+// did not hold then. It returns what it read of each descriptor's fdinfo, and the locks
+// the process holds.
+func sameFds(pid, z int, rp *Proc) (map[int]fdinfo, []Lock, error) {
 	ents, err := os.ReadDir(procDir(pid) + "/fd")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	var have []int
 	for _, e := range ents {
@@ -469,21 +474,21 @@ func sameFds(pid, z int, rp *Proc) (map[int]fdinfo, error) {
 		inoOf[fd.Fd] = fd.Ino
 	}
 	if !slices.Equal(have, had) {
-		return nil, notRewound("process %d opened or closed descriptors since the checkpoint", rp.NSPid)
+		return nil, nil, notRewound("process %d opened or closed descriptors since the checkpoint", rp.NSPid)
 	}
 	var fds []Fd
 	infos := make(map[int]fdinfo, len(rp.Fds))
 	for _, fd := range rp.Fds {
 		r, _, errno := unix.Syscall6(unix.SYS_KCMP, uintptr(pid), uintptr(z), kcmpFile, uintptr(fd.Fd), uintptr(fd.Fd), 0)
 		if errno != 0 {
-			return nil, fmt.Errorf("kcmp descriptor %d of %d: %w", fd.Fd, pid, errno)
+			return nil, nil, fmt.Errorf("kcmp descriptor %d of %d: %w", fd.Fd, pid, errno)
 		}
 		if r != 0 {
-			return nil, notRewound("process %d: descriptor %d was opened again since the checkpoint", rp.NSPid, fd.Fd)
+			return nil, nil, notRewound("process %d: descriptor %d was opened again since the checkpoint", rp.NSPid, fd.Fd)
 		}
 		fi, err := readFdinfo(pid, fd.Fd)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		fds = append(fds, Fd{Fd: fd.Fd, locks: fi.locks})
 		infos[fd.Fd] = fi
@@ -492,9 +497,9 @@ func sameFds(pid, z int, rp *Proc) (map[int]fdinfo, error) {
 	if err != nil {
 		var in *Ineligible
 		if errors.As(err, &in) {
-			return nil, notRewound("%s", in.Reason)
+			return nil, nil, notRewound("%s", in.Reason)
 		}
-		return nil, err
+		return nil, nil, err
 	}
 	key := func(l Lock) string { return fmt.Sprint(inoOf[l.Fd], l.Write, l.Start, l.Len) }
 	held := map[string]bool{}
@@ -503,10 +508,10 @@ func sameFds(pid, z int, rp *Proc) (map[int]fdinfo, error) {
 	}
 	for _, l := range locks {
 		if !held[key(l)] {
-			return nil, notRewound("process %d took a lock since the checkpoint", rp.NSPid)
+			return nil, nil, notRewound("process %d took a lock since the checkpoint", rp.NSPid)
 		}
 	}
-	return infos, nil
+	return infos, locks, nil
 }
 
 // mapping is one line of a maps file.
@@ -660,6 +665,14 @@ func (pl *plan) apply(p *ptrace.Tracee, rp *Proc, phase func(string, time.Durati
 		}
 	}
 	report(phase, "memory_calls", t)
+	// Before the copy: a call injected after it costs more (fixEarly).
+	t = time.Now()
+	fixed, err := fixEarly(p, rp, pl.fdinfo)
+	if err != nil {
+		return err
+	}
+	pl.fdinfo = fixed
+	report(phase, "fixups_early", t)
 	t = time.Now()
 	read, err := copyPages(pl.zygote, p.Pid, pl.copy)
 	if err != nil {
