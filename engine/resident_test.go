@@ -660,16 +660,8 @@ func TestRewindBesideDurableCopy(t *testing.T) {
 // (the phase rewind_refused_copy, which cairn bench counts); a small change beside it
 // is rewound.
 func TestRewindRefusedForCopy(t *testing.T) {
-	ctx := context.Background()
 	e, sb, r, c1 := bigREPL(t, 16)
-	rollback := func() []string {
-		t.Helper()
-		pctx, phases := phaseNames(ctx)
-		if err := e.Rollback(pctx, sb.ID, c1.ID); err != nil {
-			t.Fatal(err)
-		}
-		return phases()
-	}
+	rollback := func() []string { return rollbackPhases(t, e, sb.ID, c1) }
 	r.ask("x = 2")
 	if ph := rollback(); !slices.Contains(ph, "rewound") || slices.Contains(ph, "rewind_refused_copy") {
 		t.Fatalf("a rollback over one small change: phases %v, want rewound", ph)
@@ -694,18 +686,10 @@ func TestRewindRefusedForCopy(t *testing.T) {
 // c2 that follows is rewound in place (it brings back c2's MiB, which the new process
 // never wrote), and so is one to c1 after it.
 func TestRewindAfterFork(t *testing.T) {
-	ctx := context.Background()
 	e, sb, r, c1 := bigREPL(t, 16)
 	r.ask("x = 2\nbig[:1 << 20] = b'a' * (1 << 20)")
 	c2 := residentCheckpoint(t, e, sb.ID)
-	rollback := func(ck *model.Checkpoint) []string {
-		t.Helper()
-		pctx, phases := phaseNames(ctx)
-		if err := e.Rollback(pctx, sb.ID, ck.ID); err != nil {
-			t.Fatal(err)
-		}
-		return phases()
-	}
+	rollback := func(ck *model.Checkpoint) []string { return rollbackPhases(t, e, sb.ID, ck) }
 	r.ask("x = 3\nbig[:] = b'y' * len(big)")
 	if ph := rollback(c1); slices.Contains(ph, "rewound") || !slices.Contains(ph, "spawn_track") {
 		t.Fatalf("a rollback to c1 over 16 MiB written: phases %v, want a fork (spawn) that tracks its processes", ph)
@@ -734,7 +718,6 @@ func TestRewindAfterFork(t *testing.T) {
 // one on a file the root's revert recreated is taken again on the new file. held()
 // asks a child of the REPL whether it can take the lock itself.
 func TestRewindLocks(t *testing.T) {
-	ctx := context.Background()
 	e := testenv.EngineWith(t, func(c *engine.Config) { c.Standbys = -1 })
 	sb, r := newREPL(t, e, true)
 	r.ask(`import fcntl, os
@@ -759,11 +742,7 @@ x = 1`)
 	c1 := residentCheckpoint(t, e, sb.ID)
 	rollback := func(what string) {
 		t.Helper()
-		pctx, phases := phaseNames(ctx)
-		if err := e.Rollback(pctx, sb.ID, c1.ID); err != nil {
-			t.Fatal(err)
-		}
-		if ph := phases(); !slices.Contains(ph, "rewound") {
+		if ph := rollbackPhases(t, e, sb.ID, c1); !slices.Contains(ph, "rewound") {
 			t.Fatalf("%s: the rollback was not rewound in place: phases %v", what, ph)
 		}
 		if got := r.ask("print(x, held(), os.stat('/lk').st_size)"); got != "1 True 100" {
@@ -779,6 +758,17 @@ x = 1`)
 	rollback("the lock still held")
 	r.ask("os.unlink('/lk')\nx = 4")
 	rollback("the file deleted since")
+}
+
+// rollbackPhases rolls sandbox id back to ck and returns the names of the phases the
+// rollback reported.
+func rollbackPhases(t *testing.T, e *engine.Engine, id string, ck *model.Checkpoint) []string {
+	t.Helper()
+	ctx, phases := phaseNames(context.Background())
+	if err := e.Rollback(ctx, id, ck.ID); err != nil {
+		t.Fatal(err)
+	}
+	return phases()
 }
 
 // phaseNames returns ctx with a phase recorder, and what returns the names of the

@@ -115,19 +115,25 @@ func (ts *Tracks) before(procs []*ptrace.Tracee, zps []*Proc) {
 			}
 			ts.drop(p.Pid)
 		}
-		proc, err := isolation.ProcOf(p.Pid)
-		if err != nil {
-			continue
-		}
-		t, err := dirty.Register(p)
-		if err != nil {
-			continue
-		}
-		if ts.procs == nil {
-			ts.procs = map[int]*track{}
-		}
-		ts.procs[p.Pid] = &track{proc: proc, nsPid: zps[i].NSPid, t: t, differ: map[isolation.Proc]dirty.Set{making: nil}}
+		ts.register(p, zps[i].NSPid, map[isolation.Proc]dirty.Set{making: nil})
 	}
+}
+
+// register starts tracking the stopped process p (nsPid in the sandbox) with the sets
+// differ, unless it cannot be tracked. Callers hold mu, on the tracer's thread.
+func (ts *Tracks) register(p *ptrace.Tracee, nsPid int, differ map[isolation.Proc]dirty.Set) {
+	proc, err := isolation.ProcOf(p.Pid)
+	if err != nil {
+		return
+	}
+	t, err := dirty.Register(p)
+	if err != nil {
+		return
+	}
+	if ts.procs == nil {
+		ts.procs = map[int]*track{}
+	}
+	ts.procs[p.Pid] = &track{proc: proc, nsPid: nsPid, t: t, differ: differ}
 }
 
 // captured gives the zygotes just made (those of rec, of the processes pids: host
@@ -196,14 +202,6 @@ func (ts *Tracks) spawned(c *ptrace.Tracee, p *Proc) {
 	if ts == nil {
 		return
 	}
-	proc, err := isolation.ProcOf(c.Pid)
-	if err != nil {
-		return
-	}
-	t, err := dirty.Register(c)
-	if err != nil {
-		return
-	}
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
 	ts.drop(c.Pid) // a process of that PID before, gone
@@ -211,10 +209,7 @@ func (ts *Tracks) spawned(c *ptrace.Tracee, p *Proc) {
 	for z, s := range ts.rel[p.Zygote] {
 		differ[z] = s
 	}
-	if ts.procs == nil {
-		ts.procs = map[int]*track{}
-	}
-	ts.procs[c.Pid] = &track{proc: proc, nsPid: p.NSPid, t: t, differ: differ}
+	ts.register(c, p.NSPid, differ)
 }
 
 // later scans the processes pids into every set, on a goroutine of its own (a scan
