@@ -658,7 +658,7 @@ func TestRewindBesideDurableCopy(t *testing.T) {
 // TestRewindRefusedForCopy: a rollback whose rewind in place would copy back more than
 // the bound (zygote.maxRewindCopy, 8 MiB) forks from the zygotes instead, and says so
 // (the phase rewind_refused_copy, which cairn bench counts); a small change beside it
-// is rewound.
+// is rewound. Pages already scanned count before any process is stopped.
 func TestRewindRefusedForCopy(t *testing.T) {
 	e, sb, r, c1 := bigREPL(t, 16)
 	rollback := func() []string { return rollbackPhases(t, e, sb.ID, c1) }
@@ -676,6 +676,17 @@ func TestRewindRefusedForCopy(t *testing.T) {
 	}
 	if got := r.ask("print(x, big[0], big[-1])"); got != "1 122 122" {
 		t.Fatalf("after the fork: %q, want 1 122 122", got)
+	}
+	// 16 MiB written again and scanned by a checkpoint (the new process's set for c1
+	// holds them): refused before the rewind stops any process.
+	r.ask("x = 4\nbig[:] = b'w' * len(big)")
+	residentCheckpoint(t, e, sb.ID)
+	ph = rollback()
+	if slices.Contains(ph, "rewind_stop") || !slices.Contains(ph, "rewind_refused_copy") || !slices.Contains(ph, "spawn") {
+		t.Fatalf("a rollback over 16 MiB written and scanned: phases %v, want rewind_refused_copy without rewind_stop, and spawn", ph)
+	}
+	if got := r.ask("print(x, big[0], big[-1])"); got != "1 122 122" {
+		t.Fatalf("after the second fork: %q, want 1 122 122", got)
 	}
 }
 

@@ -117,6 +117,13 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		want = append(want, ks[i].proc.Pid)
 	}
 	slices.Sort(want)
+	// A rewind copies back at least the pages already known to differ that lie in the
+	// zygotes' writable memory (finish): too many, and it is refused before any process
+	// is stopped. (W2: a far rollback was refused only after its stop, check and scan.)
+	if known := knownCopy(ts, ks, r); known > maxRewindCopy {
+		report(o.Phase, "refused_copy", t0)
+		return false, notRewound("at least %d MiB of pages to bring back, more than %d: a fork shares them with the zygotes instead", known>>20, maxRewindCopy>>20)
+	}
 	live, err := o.Live()
 	if err != nil {
 		return false, err
@@ -272,6 +279,22 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		ts.later(want)
 	}
 	return begun, err
+}
+
+// knownCopy is how much a rewind to r would copy back at least: the pages of each
+// process's set for its zygote (as last scanned) in that zygote's writable private
+// memory, for the zygotes whose mappings are known (read ahead: preload). Callers hold
+// ts.mu.
+func knownCopy(ts *Tracks, ks []*track, r *Record) uint64 {
+	var n uint64
+	for i, rp := range r.Procs {
+		zv := ts.views[rp.Zygote]
+		if zv == nil || zv.maps == nil {
+			continue
+		}
+		n += ks[i].differ[rp.Zygote].Intersect(cover(zv.maps, mapping.WritablePrivate)).Bytes()
+	}
+	return n
 }
 
 func sorted(pids []int) []int {
