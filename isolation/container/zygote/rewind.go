@@ -255,7 +255,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		t = time.Now()
 		for i, p := range procs {
 			rp := &r.Procs[order[i]]
-			if err := fixLate(p, rp, plans[i].fdinfo, plans[i].held); err != nil {
+			if err := fixLate(p, rp, plans[i].held); err != nil {
 				return fmt.Errorf("process %d: %w", rp.NSPid, err)
 			}
 		}
@@ -283,16 +283,13 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 
 // knownCopy is how much a rewind to r would copy back at least: the pages of each
 // process's set for its zygote (as last scanned) in that zygote's writable private
-// memory, for the zygotes whose mappings are known (read ahead: preload). Callers hold
-// ts.mu.
+// memory, for the zygotes whose view is read (ahead: preload). Callers hold ts.mu.
 func knownCopy(ts *Tracks, ks []*track, r *Record) uint64 {
 	var n uint64
 	for i, rp := range r.Procs {
-		zv := ts.views[rp.Zygote]
-		if zv == nil || zv.maps == nil {
-			continue
+		if zv := ts.views[rp.Zygote]; zv != nil && zv.status != nil {
+			n += ks[i].differ[rp.Zygote].Intersect(zv.writable).Bytes()
 		}
-		n += ks[i].differ[rp.Zygote].Intersect(cover(zv.maps, mapping.WritablePrivate)).Bytes()
 	}
 	return n
 }
@@ -319,8 +316,8 @@ type plan struct {
 	copy    dirty.Set
 	scratch uint64
 	// maps are the process's mappings as check read them (it is stopped), fdinfo its
-	// descriptors' (fixEarly sets their offsets and flags back, and the late fixups
-	// read them again only for a descriptor they open again).
+	// descriptors' (fixEarly sets their offsets and flags back from them; a descriptor
+	// the late fixups open again is read again).
 	maps   []mapping
 	fdinfo map[int]fdinfo
 	// held are the POSIX locks the process holds (all of them held at the checkpoint:
@@ -392,7 +389,7 @@ func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.D
 	report(phase, "check_fds", t)
 	t = time.Now()
 	defer report(phase, "check_maps", t)
-	pl, err := planMaps(p.Pid, rp.Zygote.Pid, zv.maps, rp)
+	pl, err := planMaps(p.Pid, rp.Zygote.Pid, zv, rp)
 	if pl != nil {
 		pl.fdinfo, pl.held = infos, held
 	}
@@ -405,6 +402,9 @@ type zygoteView struct {
 	status map[string]string
 	files  []string // viewFiles
 	maps   []mapping
+	// writable is the zygote's writable private memory (what a rewind may copy back
+	// into), of maps.
+	writable dirty.Set
 }
 
 // viewFiles are the /proc files of a process a rewind compares with its zygote's.
@@ -433,6 +433,7 @@ func (zv *zygoteView) load(z int) error {
 		}
 	}
 	zv.status, zv.files = st, files
+	zv.writable = cover(zv.maps, mapping.WritablePrivate)
 	return nil
 }
 
@@ -602,7 +603,8 @@ func cover(ms []mapping, f func(mapping) bool) dirty.Set {
 // memory, mapped again and filled from the zygote; the heap is set back with brk.
 // Anything mapped differently at the same address (a protection changed, another file)
 // is refused.
-func planMaps(pid, z int, zm []mapping, rp *Proc) (*plan, error) {
+func planMaps(pid, z int, zv *zygoteView, rp *Proc) (*plan, error) {
+	zm := zv.maps
 	pm, err := readMaps(pid)
 	if err != nil {
 		return nil, err
@@ -618,7 +620,7 @@ func planMaps(pid, z int, zm []mapping, rp *Proc) (*plan, error) {
 	if len(pHeap.Intersect(zHeap).Subtract(same)) > 0 {
 		return nil, notRewound("process %d changed the protection of its heap", rp.NSPid)
 	}
-	pl := &plan{zygote: z, writable: cover(zm, mapping.WritablePrivate), maps: pm}
+	pl := &plan{zygote: z, writable: zv.writable, maps: pm}
 	pl.same = same.Intersect(pl.writable)
 	pl.unmap = cover(pm, all).Subtract(same).Subtract(pHeap)
 	pl.grown = zHeap.Subtract(pHeap)
@@ -690,11 +692,9 @@ func (pl *plan) apply(p *ptrace.Tracee, rp *Proc, phase func(string, time.Durati
 	report(phase, "memory_calls", t)
 	// Before the copy: a call injected after it costs more (fixEarly).
 	t = time.Now()
-	fixed, err := fixEarly(p, rp, pl.fdinfo)
-	if err != nil {
+	if err := fixEarly(p, rp, pl.fdinfo); err != nil {
 		return err
 	}
-	pl.fdinfo = fixed
 	report(phase, "fixups_early", t)
 	t = time.Now()
 	read, err := copyPages(pl.zygote, p.Pid, pl.copy)

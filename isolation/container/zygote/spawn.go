@@ -446,22 +446,20 @@ func pidHeld(proc string, nsPid int) bool {
 // forked from it before (offsets, flags, pipe contents) or what fork does not inherit
 // (locks, parent-death signal, subreaper flag): fixEarly, then fixLate.
 func fixup(c *ptrace.Tracee, p *Proc) error {
-	known, err := fixEarly(c, p, nil)
-	if err != nil {
+	if err := fixEarly(c, p, nil); err != nil {
 		return err
 	}
-	return fixLate(c, p, known, nil)
+	return fixLate(c, p, nil)
 }
 
 // fixEarly sets back what depends neither on the process's memory nor on the root's
 // files: the offsets and status flags of its descriptors' open file descriptions, and
 // the settings fork resets. known is what was read of the descriptors' fdinfo (nil: it
-// is read here); the fdinfo as fixed is returned, for fixLate. A rewind calls it before
+// is read here). A rewind calls it before
 // it copies the pages back: every call injected after the copy cost ~0.2-0.8 ms more
 // (the first run of a process whose page tables the copy changed), and in the common
 // case none is left for fixLate.
-func fixEarly(c *ptrace.Tracee, p *Proc, known map[int]fdinfo) (map[int]fdinfo, error) {
-	fixed := make(map[int]fdinfo, len(p.Fds))
+func fixEarly(c *ptrace.Tracee, p *Proc, known map[int]fdinfo) error {
 	for _, fd := range p.Fds {
 		if fd.Kind != KindFile && fd.Kind != KindDir && fd.Kind != KindFIFO {
 			continue
@@ -470,31 +468,30 @@ func fixEarly(c *ptrace.Tracee, p *Proc, known map[int]fdinfo) (map[int]fdinfo, 
 		if !ok {
 			var err error
 			if cur, err = readFdinfo(c.Pid, fd.Fd); err != nil {
-				return nil, fmt.Errorf("descriptor %d (%s): %w", fd.Fd, fd.Path, err)
+				return fmt.Errorf("descriptor %d (%s): %w", fd.Fd, fd.Path, err)
 			}
 		}
 		if err := fixDescription(c, fd, &cur); err != nil {
-			return nil, fmt.Errorf("descriptor %d (%s): %w", fd.Fd, fd.Path, err)
+			return fmt.Errorf("descriptor %d (%s): %w", fd.Fd, fd.Path, err)
 		}
-		fixed[fd.Fd] = cur
 	}
 	if p.PdeathSig != 0 {
 		if _, err := c.Syscall(unix.SYS_PRCTL, unix.PR_SET_PDEATHSIG, uintptr(p.PdeathSig)); err != nil {
-			return nil, fmt.Errorf("parent-death signal: %w", err)
+			return fmt.Errorf("parent-death signal: %w", err)
 		}
 	}
 	if p.Dumpable != nil && *p.Dumpable != 0 {
 		// The zygote is not dumpable; its copy is the process again.
 		if _, err := c.Syscall(unix.SYS_PRCTL, unix.PR_SET_DUMPABLE, uintptr(*p.Dumpable)); err != nil {
-			return nil, fmt.Errorf("dumpable: %w", err)
+			return fmt.Errorf("dumpable: %w", err)
 		}
 	}
 	if p.ChildSubreaper {
 		if _, err := c.Syscall(unix.SYS_PRCTL, unix.PR_SET_CHILD_SUBREAPER, 1); err != nil {
-			return nil, fmt.Errorf("child subreaper: %w", err)
+			return fmt.Errorf("child subreaper: %w", err)
 		}
 	}
-	return fixed, nil
+	return nil
 }
 
 // fixDescription gives the open file description of fd the recorded status flags and
@@ -521,7 +518,7 @@ func fixDescription(c *ptrace.Tracee, fd Fd, cur *fdinfo) error {
 // directory, and the POSIX locks. held are the locks the process holds (a rewind's;
 // nil for a new process, which holds none): one held on a file not opened again is not
 // taken again.
-func fixLate(c *ptrace.Tracee, p *Proc, known map[int]fdinfo, held []Lock) error {
+func fixLate(c *ptrace.Tracee, p *Proc, held []Lock) error {
 	var s *ptrace.Scratch
 	scratch := func() (*ptrace.Scratch, error) {
 		if s != nil {
