@@ -67,26 +67,31 @@ func (o *CaptureOptions) report(name string, start time.Time) {
 // *Ineligible error says why the sandbox cannot be captured this way (the caller falls
 // back to CRIU).
 func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record, error) {
-	t0 := time.Now()
-	var kids []int
-	var err error
 	// A process that has just exited is a zombie until init reaps it, which it does as
-	// soon as it runs: wait for that a little rather than give up the zygotes (a
-	// process killed with its group left a child zombie for init to reap, conformance
-	// ResidentPaths).
-	for deadline := t0.Add(reapWait); ; {
-		if kids, err = o.list(); err != nil {
-			return nil, err
-		}
+	// soon as it runs; one killed with its group may also exit while it is being
+	// stopped (conformance ResidentPaths: a shell and its child killed together). A
+	// capture a moment later does not see it: it is tried again for a little while,
+	// rather than give up the zygotes. (A failed capture leaves nothing behind.)
+	for deadline := time.Now().Add(reapWait); ; {
+		rec, err := captureOnce(ctx, tr, o)
 		var in *Ineligible
-		if err = checkAll(kids, o.Init.Pid); errors.As(err, &in) && in.zombie && time.Now().Before(deadline) {
+		if errors.As(err, &in) && in.ending && time.Now().Before(deadline) {
 			time.Sleep(reapWait / 50)
 			continue
 		}
-		if err != nil {
-			return nil, err
-		}
-		break
+		return rec, err
+	}
+}
+
+// captureOnce is one attempt of Capture.
+func captureOnce(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record, error) {
+	t0 := time.Now()
+	kids, err := o.list()
+	if err != nil {
+		return nil, err
+	}
+	if err := checkAll(kids, o.Init.Pid); err != nil {
+		return nil, err
 	}
 	o.report("check", t0)
 	// Prepared beside the stop and the scan, and awaited before the first zygote is
@@ -114,7 +119,7 @@ func Capture(ctx context.Context, tr *ptrace.Tracer, o CaptureOptions) (*Record,
 			return err
 		}
 		if now, err := o.list(); err != nil || !slices.Equal(now, kids) {
-			return ineligible("processes started or ended during the checkpoint")
+			return &Ineligible{Reason: "processes started or ended during the checkpoint", ending: true}
 		}
 		o.report("stop", t)
 		// Every process is stopped: the filesystem is captured now, on another thread,
@@ -279,7 +284,8 @@ func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
 	for _, pid := range pids {
 		p, err := ptrace.Seize(pid)
 		if err != nil {
-			return procs, 0, ineligible("process %d: %v", pid, err)
+			// ESRCH: gone since it was listed.
+			return procs, 0, &Ineligible{Reason: fmt.Sprintf("process %d: %v", pid, err), ending: errors.Is(err, unix.ESRCH)}
 		}
 		procs = append(procs, p)
 		if err := p.Interrupt(); err != nil {
@@ -289,7 +295,7 @@ func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
 	for i, p := range procs {
 		if err := p.Wait(stopTimeout); err != nil {
 			if errors.Is(err, ptrace.ErrExited) {
-				err = ineligible("process %d exited during the checkpoint", p.Pid)
+				err = &Ineligible{Reason: fmt.Sprintf("process %d exited during the checkpoint", p.Pid), ending: true}
 			}
 			return procs, i, err
 		}

@@ -122,7 +122,9 @@ func sessionOf(pid int) (sid, pgid int, err error) {
 func checkBefore(pid, init int) error {
 	switch st := ptrace.ProcState(pid); st {
 	case "Z", "X":
-		return &Ineligible{Reason: fmt.Sprintf("process %d has exited and init has not reaped it yet", pid), zombie: true}
+		return &Ineligible{Reason: fmt.Sprintf("process %d has exited and init has not reaped it yet", pid), ending: true}
+	case "gone":
+		return &Ineligible{Reason: fmt.Sprintf("process %d has exited", pid), ending: true}
 	case "T", "t":
 		return ineligible("process %d is stopped", pid)
 	}

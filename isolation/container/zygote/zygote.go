@@ -167,7 +167,9 @@ type Map struct {
 // Ineligible says why a sandbox's processes cannot be captured as zygotes.
 type Ineligible struct {
 	Reason string
-	zombie bool // a process has exited, and init has not reaped it yet
+	// ending: a process has exited or is exiting (init has not reaped it yet, or it
+	// exited while the capture stopped it); a capture a moment later may not see it.
+	ending bool
 }
 
 func (e *Ineligible) Error() string { return "not eligible for zygotes: " + e.Reason }
