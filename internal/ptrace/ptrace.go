@@ -136,6 +136,16 @@ type Tracee struct {
 	ClonedAs int
 	// saved are the tracee's own registers, read when it stopped; Restore puts them back.
 	saved unix.PtraceRegs
+	// interrupted, if the tracee stopped inside a system call that the stop interrupted,
+	// are its registers as read then, before restarted rewrote them in saved: Detach
+	// writes these back where the kernel's own restart logic runs as the tracee resumes
+	// (it restarts the call, or makes it fail with EINTR for a signal's handler, as the
+	// call asked). Nil once SetRegs or Park replaced the registers.
+	interrupted *unix.PtraceRegs
+	// sysStop says the tracee is in the exit stop of an injected call (not in the
+	// event stop Wait saw), from which the kernel's restart logic runs only if a signal
+	// is pending.
+	sysStop bool
 	// syscallAt is the address of a `syscall` instruction in the tracee's vDSO.
 	syscallAt uint64
 	// pending are signals that arrived while the tracee was stopped for us; Detach
@@ -320,7 +330,10 @@ func (t *Tracee) save() error {
 	if err := unix.PtraceGetRegs(t.Pid, &t.saved); err != nil {
 		return fmt.Errorf("ptrace getregs %d: %w", t.Pid, err)
 	}
-	restarted(&t.saved)
+	t.interrupted, t.sysStop = nil, false
+	if r := t.saved; restarted(&t.saved) {
+		t.interrupted = &r
+	}
 	return nil
 }
 
@@ -338,9 +351,10 @@ const (
 // signal path. Done here, the registers are right to resume from any stop, and to give
 // to a copy (which resumes from a fork): a process detached from a system-call stop, or
 // by the death of its tracer, would otherwise see the restart code as the call's result.
-func restarted(r *unix.PtraceRegs) {
+// It reports whether it rewrote them.
+func restarted(r *unix.PtraceRegs) bool {
 	if int64(r.Orig_rax) < 0 {
-		return // not in a system call
+		return false // not in a system call
 	}
 	switch int64(r.Rax) {
 	case -errRestartSys, -errRestartNoIntr, -errRestartNoHand:
@@ -348,10 +362,11 @@ func restarted(r *unix.PtraceRegs) {
 	case -errRestartRestartBlock:
 		r.Rax = unix.SYS_RESTART_SYSCALL
 	default:
-		return
+		return false
 	}
 	r.Rip -= 2 // back onto the syscall instruction (0f 05)
 	r.Orig_rax = ^uint64(0)
+	return true
 }
 
 // Regs are the tracee's own registers (as saved when it stopped, or as set by SetRegs).
@@ -365,6 +380,7 @@ func (t *Tracee) Regs() unix.PtraceRegs {
 // SetRegs replaces the tracee's own registers: Restore and Detach put these back (once
 // Unpark has, if the tracee is parked).
 func (t *Tracee) SetRegs(r unix.PtraceRegs) {
+	t.interrupted = nil
 	if t.parked != nil {
 		t.parked = &r
 		return
@@ -385,6 +401,7 @@ func (t *Tracee) Park() error {
 		return err
 	}
 	own := t.saved
+	t.interrupted = nil
 	r := own
 	r.Rip = t.syscallAt
 	r.Rax = unix.SYS_PAUSE
@@ -424,24 +441,64 @@ func (t *Tracee) Restore() error {
 
 // Detach restores the tracee's registers and lets it run, delivering again the signals
 // that arrived while it was stopped.
+//
+// A tracee stopped inside a system call (blocked in read(2), say) must resume as it
+// would have without us: restarting the call, or, if a signal with a handler is
+// delivered as it resumes, with the call failing with EINTR (unless SA_RESTART). A
+// restarted call would go back to sleep with the handler run, and a program that acts
+// on its signals after the call returns (a Python REPL: its handlers run between
+// bytecodes) would never see them. So the signals noted are queued again (kill) before
+// the detach, and the tracee gets back the registers of the interrupted call, for the
+// kernel's restart logic, wherever that logic runs as it resumes: from the stop Wait
+// saw, always; from an injected call's exit stop, only with a signal pending (else
+// the call's restart code would be its result: there it gets the restarted registers).
+// A signal that arrives between that check and the detach (microseconds) is delivered,
+// but the call is restarted after its handler.
 func (t *Tracee) Detach() error {
+	if t.interrupted != nil && t.parked == nil && (len(t.pending) > 0 || !t.sysStop || signalPending(t.Pid)) {
+		t.saved = *t.interrupted
+	}
 	if err := t.Restore(); err != nil {
 		return err
 	}
 	t.unpin()
-	var first uintptr
-	rest := t.pending
-	if len(rest) > 0 {
-		first, rest = uintptr(rest[0]), rest[1:]
-	}
-	if _, _, errno := unix.Syscall6(unix.SYS_PTRACE, unix.PTRACE_DETACH, uintptr(t.Pid), 0, first, 0, 0); errno != 0 {
-		return fmt.Errorf("ptrace detach %d: %w", t.Pid, errno)
-	}
-	for _, s := range rest {
+	for _, s := range t.pending {
 		unix.Kill(t.Pid, s)
 	}
 	t.pending = nil
+	if _, _, errno := unix.Syscall6(unix.SYS_PTRACE, unix.PTRACE_DETACH, uintptr(t.Pid), 0, 0, 0, 0); errno != 0 {
+		return fmt.Errorf("ptrace detach %d: %w", t.Pid, errno)
+	}
 	return nil
+}
+
+// signalPending reports whether pid has a signal pending that it does not block (of
+// /proc/<pid>/status).
+func signalPending(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return false
+	}
+	var pnd, blk uint64
+	for _, l := range bytes.Split(b, []byte("\n")) {
+		k, v, ok := bytes.Cut(l, []byte(":"))
+		if !ok {
+			continue
+		}
+		switch string(k) {
+		case "SigPnd", "ShdPnd", "SigBlk":
+			n, err := strconv.ParseUint(string(bytes.TrimSpace(v)), 16, 64)
+			if err != nil {
+				return false
+			}
+			if string(k) == "SigBlk" {
+				blk = n
+			} else {
+				pnd |= n
+			}
+		}
+	}
+	return pnd&^blk != 0
 }
 
 // DropPending forgets the signals that arrived while the tracee was stopped for us:

@@ -521,7 +521,10 @@ func TestColocate(t *testing.T) {
 	if got := affinity(copyPid); got != own {
 		t.Errorf("after Detach the copy's affinity is %v, want its parent's own %v", got, own)
 	}
-	unix.Kill(copyPid, unix.SIGKILL) // it reads the same pipe
+	// It reads the same pipe: dead (reaped, it is our child) before the process is
+	// asked, or, killed on its way into its read, it could still take the question.
+	unix.Kill(copyPid, unix.SIGKILL)
+	unix.Wait4(copyPid, nil, 0, nil)
 	// The process runs on as before.
 	if got := c.ask(t); len(got) != 3 || got[2] != "2" {
 		t.Errorf("the process answers %v after being traced", got)
@@ -613,5 +616,89 @@ func TestDropPending(t *testing.T) {
 		if ws, ok := c.cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != unix.SIGUSR1 {
 			t.Errorf("not dropped, the signal did not end the replica: %v", err)
 		}
+	}
+}
+
+// handler is a Python process that handles SIGUSR1 and SIGUSR2 while it waits in
+// pause(2), and writes to fd 4 the signals its handlers ran for, as their
+// Python-level handlers see them (run once pause returns).
+const handler = `
+import os, signal
+got = []
+def h(n, f):
+    got.append(n)
+    os.write(4, ("%s\n" % sorted(got)).encode())
+signal.signal(signal.SIGUSR1, h)
+signal.signal(signal.SIGUSR2, h)
+os.write(4, b"ready\n")
+while True:
+    signal.pause()
+`
+
+// TestSignalsWhileStopped: signals sent to a process while it is stopped for us, in a
+// blocking call with handlers for them, run those handlers once it is detached (its
+// call fails with EINTR, as it would have without us), whether the tracer saw them
+// during an injected call, or they are pending when it detaches, from the stop it was
+// seized in or from an injected call's exit.
+func TestSignalsWhileStopped(t *testing.T) {
+	requireRoot(t)
+	for _, c := range []struct {
+		name   string
+		before bool // injected call after the signals (they are seen by the tracer)
+		after  bool // injected call before the signals (pending at the detach)
+	}{{"seen during a call", true, false}, {"pending at an event stop", false, false}, {"pending at a call's exit", false, true}} {
+		t.Run(c.name, func(t *testing.T) {
+			rr, rw, err := os.Pipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer rr.Close()
+			cmd := exec.Command("python3", "-c", handler)
+			cmd.ExtraFiles = []*os.File{nil, rw} // fd 4
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			rw.Close()
+			defer func() { cmd.Process.Kill(); cmd.Wait() }()
+			out := bufio.NewReader(rr)
+			line := func() string {
+				rr.SetReadDeadline(time.Now().Add(5 * time.Second))
+				l, _ := out.ReadString('\n')
+				return strings.TrimSpace(l)
+			}
+			if l := line(); l != "ready" {
+				t.Fatalf("the process said %q, want ready", l)
+			}
+			waitState(t, cmd.Process.Pid, "S")
+			tr := NewTracer()
+			defer tr.Close()
+			tc := stop(t, tr, cmd.Process.Pid)
+			err = tr.Do(func() error {
+				if c.after {
+					if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
+						return err
+					}
+				}
+				unix.Kill(cmd.Process.Pid, unix.SIGUSR2)
+				unix.Kill(cmd.Process.Pid, unix.SIGUSR1)
+				if c.before {
+					if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
+						return err
+					}
+				}
+				return tc.Detach()
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := fmt.Sprintf("[%d, %d]", unix.SIGUSR1, unix.SIGUSR2)
+			var got []string
+			for l := line(); l != ""; l = line() {
+				if got = append(got, l); l == want {
+					return
+				}
+			}
+			t.Fatalf("the handlers reported %q, want %s at last", got, want)
+		})
 	}
 }

@@ -58,6 +58,7 @@ func (t *Tracee) syscall(nr uintptr, args []uintptr) (uintptr, *Tracee, error) {
 	if err != nil {
 		return 0, child, err
 	}
+	t.sysStop = true
 	var out unix.PtraceRegs
 	if err := unix.PtraceGetRegs(t.Pid, &out); err != nil {
 		return 0, child, fmt.Errorf("ptrace getregs %d: %w", t.Pid, err)
