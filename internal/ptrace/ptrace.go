@@ -480,23 +480,23 @@ func signalPending(pid int) bool {
 		return false
 	}
 	var pnd, blk uint64
-	for _, l := range bytes.Split(b, []byte("\n")) {
-		k, v, ok := bytes.Cut(l, []byte(":"))
-		if !ok {
+	for len(b) > 0 {
+		var l []byte
+		l, b, _ = bytes.Cut(b, []byte{'\n'})
+		k, v, _ := bytes.Cut(l, []byte{':'})
+		into := &pnd
+		switch string(k) {
+		case "SigPnd", "ShdPnd":
+		case "SigBlk":
+			into = &blk
+		default:
 			continue
 		}
-		switch string(k) {
-		case "SigPnd", "ShdPnd", "SigBlk":
-			n, err := strconv.ParseUint(string(bytes.TrimSpace(v)), 16, 64)
-			if err != nil {
-				return false
-			}
-			if string(k) == "SigBlk" {
-				blk = n
-			} else {
-				pnd |= n
-			}
+		n, err := strconv.ParseUint(string(bytes.TrimSpace(v)), 16, 64)
+		if err != nil {
+			return false
 		}
+		*into |= n
 	}
 	return pnd&^blk != 0
 }
