@@ -14,6 +14,7 @@ import (
 	"github.com/cairn-sandbox/cairn/isolation"
 	"github.com/cairn-sandbox/cairn/isolation/container"
 	"github.com/cairn-sandbox/cairn/isolation/gvisor"
+	"github.com/cairn-sandbox/cairn/storage/btrfs"
 )
 
 // recover brings the data directory back to a consistent state after a crash: it has
@@ -140,25 +141,16 @@ var (
 // sweep removes leftovers: staging entries, checkpoint directories without a row, and
 // roots no sandbox points at — each only when the owning sandbox's lock is free.
 // It returns the pool names it removed.
+//
+// Other engines may work on the data directory meanwhile, and each thing swept is
+// made before its row is written, under a lock, which is released after: so the
+// directories are listed first and the rows read after (and the locks looked at in
+// between). A thing listed, whose lock was free after the listing, has its row by the
+// time the rows are read, or never will. Reading the rows first instead swept things
+// recorded in between (conformance ResidentPaths, beside the engine package's tests: a
+// checkpoint's volume went while its row stayed).
 func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 	var removed []string
-	sbs, err := e.db.Sandboxes(ctx)
-	if err != nil {
-		return nil, err
-	}
-	roots, ids := map[string]bool{}, map[string]bool{}
-	for _, sb := range sbs {
-		roots[sb.Root] = true
-		ids[sb.ID] = true
-	}
-	cks, err := e.db.Checkpoints(ctx)
-	if err != nil {
-		return nil, err
-	}
-	known := map[string]bool{}
-	for _, c := range cks {
-		known[c.ID] = true
-	}
 	owner := func(name string) string { return strings.SplitN(name, "-", 2)[0] }
 	// Staged filesystems (pool staging/<sandbox>-<checkpoint>) and staged images
 	// (images/staging-<sandbox>-<checkpoint>) of sandboxes nobody is working on.
@@ -173,6 +165,9 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 			unlock()
 		}
 	}
+	// Checkpoints' images and volumes, listed before their rows are read.
+	type unrecorded struct{ id, name string }
+	var listed []unrecorded
 	for _, root := range imageRoots {
 		for _, id := range e.imageEntries(root) {
 			name := filepath.Join(root, id)
@@ -185,48 +180,70 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 					removed = append(removed, name)
 					unlock()
 				}
-			} else if !known[id] && !e.checkpointInFlight(ids) {
-				if !dryRun {
-					e.removeCheckpointFiles(ctx, id)
-				}
-				removed = append(removed, name)
+				continue
 			}
+			listed = append(listed, unrecorded{id, name})
 		}
 	}
 	entries, _ = os.ReadDir(e.pool.Path(checkpointsDir))
 	for _, d := range entries {
-		// A checkpoint is renamed into place and then recorded under its sandbox's lock;
-		// the row may be about to be written by a running checkpoint.
-		if !known[d.Name()] && !e.checkpointInFlight(ids) {
-			if !dryRun {
-				e.removeCheckpointFiles(ctx, d.Name())
-			}
-			removed = append(removed, filepath.Join(checkpointsDir, d.Name()))
+		if !btrfs.IsTemporary(d.Name()) {
+			listed = append(listed, unrecorded{d.Name(), filepath.Join(checkpointsDir, d.Name())})
 		}
 	}
-	standbys, _ := e.db.Standbys(ctx)
-	for _, s := range standbys {
-		roots[s.Root] = true
+	sbs, err := e.db.Sandboxes(ctx)
+	if err != nil {
+		return nil, err
 	}
+	roots, ids := map[string]bool{}, map[string]bool{}
+	for _, sb := range sbs {
+		roots[sb.Root] = true
+		ids[sb.ID] = true
+	}
+	// A checkpoint is renamed into place and then recorded under its sandbox's lock;
+	// the row may be about to be written by a running checkpoint.
+	if len(listed) > 0 && !e.checkpointInFlight(ids) {
+		cks, err := e.db.Checkpoints(ctx)
+		if err != nil {
+			return nil, err
+		}
+		known := map[string]bool{}
+		for _, c := range cks {
+			known[c.ID] = true
+		}
+		for _, u := range listed {
+			if known[u.id] {
+				continue
+			}
+			if !dryRun {
+				e.removeCheckpointFiles(ctx, u.id)
+			}
+			removed = append(removed, u.name)
+		}
+	}
+	// Standbys' roots: one is recorded under its own lock, so it is looked for again
+	// once the lock is ours (a claimed standby's root is its sandbox's).
 	entries, _ = os.ReadDir(e.pool.Path(standbyDir))
 	for _, d := range entries {
 		name := filepath.Join(standbyDir, d.Name())
-		if roots[name] {
+		if roots[name] || btrfs.IsTemporary(d.Name()) {
 			continue
 		}
 		if unlock, ok := e.tryLock(d.Name()); ok {
-			if !dryRun {
-				e.stopOrphan(ctx, d.Name(), name)
-				e.pool.Delete(ctx, name)
+			if !e.standbyRootUsed(ctx, name) {
+				if !dryRun {
+					e.stopOrphan(ctx, d.Name(), name)
+					e.pool.Delete(ctx, name)
+				}
+				removed = append(removed, name)
 			}
-			removed = append(removed, name)
 			unlock()
 		}
 	}
 	entries, _ = os.ReadDir(e.pool.Path("roots"))
 	for _, d := range entries {
 		name := filepath.Join("roots", d.Name())
-		if roots[name] {
+		if roots[name] || btrfs.IsTemporary(d.Name()) {
 			continue
 		}
 		if unlock, ok := e.tryLock(owner(d.Name())); ok {
@@ -242,6 +259,31 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 		}
 	}
 	return removed, nil
+}
+
+// standbyRootUsed reports whether a standby's row or a sandbox's names root (true, too,
+// when the rows cannot be read: nothing is removed on a guess). The standbys are read
+// first: a claim moves the root from a standby's row to a sandbox's in one transaction.
+func (e *Engine) standbyRootUsed(ctx context.Context, root string) bool {
+	standbys, err := e.db.Standbys(ctx)
+	if err != nil {
+		return true
+	}
+	for _, s := range standbys {
+		if s.Root == root {
+			return true
+		}
+	}
+	sbs, err := e.db.Sandboxes(ctx)
+	if err != nil {
+		return true
+	}
+	for _, sb := range sbs {
+		if sb.Root == root {
+			return true
+		}
+	}
+	return false
 }
 
 // stopOrphan ends the tree, if any, that runs on root, a root no record names: a
@@ -277,12 +319,16 @@ func (e *Engine) checkpointInFlight(sandboxes map[string]bool) bool {
 // GC deletes what nothing references: checkpoints of removed sandboxes that are not in
 // the lineage (ancestors of a checkpoint or origin) of any existing sandbox, and
 // leftover files.
+//
+// The checkpoints are read before the sandboxes: a checkpoint read then belongs to a
+// sandbox the second read sees, unless it was removed. (In the other order, another
+// engine's sandbox created between the reads had its first checkpoints collected.)
 func (e *Engine) GC(ctx context.Context) (*model.GCReport, error) {
-	sbs, err := e.db.Sandboxes(ctx)
+	cks, err := e.db.Checkpoints(ctx)
 	if err != nil {
 		return nil, err
 	}
-	cks, err := e.db.Checkpoints(ctx)
+	sbs, err := e.db.Sandboxes(ctx)
 	if err != nil {
 		return nil, err
 	}

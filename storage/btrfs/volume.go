@@ -23,6 +23,11 @@ const (
 	maxElem = 255 - len(tmpPrefix) - 1 - 16
 )
 
+// IsTemporary reports whether name (a base name) is a snapshot being made: the pool
+// renames it into place when done, and Recover deletes it after a crash. Sweeps of the
+// pool's directories leave such names alone (another process's Snapshot in flight).
+func IsTemporary(name string) bool { return strings.HasPrefix(name, tmpPrefix) }
+
 // resolve is how every path below the pool is opened; see the package documentation.
 var resolve = unix.OpenHow{
 	Flags:   unix.O_RDONLY | unix.O_DIRECTORY | unix.O_CLOEXEC,

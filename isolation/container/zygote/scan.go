@@ -1,6 +1,7 @@
 package zygote
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -126,7 +127,8 @@ func checkBefore(pid, init int) error {
 	case "gone":
 		return &Ineligible{Reason: fmt.Sprintf("process %d has exited", pid), ending: true}
 	case "T", "t":
-		return ineligible("process %d is stopped", pid)
+		comm, _ := os.ReadFile(procDir(pid) + "/comm")
+		return ineligible("process %d (%s) is stopped", pid, bytes.TrimSpace(comm))
 	}
 	st, err := readStatus(pid)
 	if err != nil {
