@@ -99,7 +99,11 @@ func testResidentPaths(t *testing.T, h Harness) {
 	}
 	if ck.Method != "zygote-criu" {
 		got, _ := h.Engine.GetCheckpoint(ctx, ck.ID)
-		t.Fatalf("durable checkpoint: method %q, want zygote-criu (%+v)", ck.Method, got)
+		diag := ""
+		if h.Diagnose != nil {
+			diag = h.Diagnose(id)
+		}
+		t.Fatalf("durable checkpoint: method %q, want zygote-criu (%+v); the sandbox's processes now: %s", ck.Method, got, diag)
 	}
 }
 
