@@ -279,20 +279,29 @@ func (o *CaptureOptions) list() ([]int, error) {
 
 // stopAll seizes and stops every process. It returns those it holds (the caller
 // detaches them, whatever happened) and how many of them, first, are stopped.
+//
+// A process that cannot be seized (gone since it was listed) ends the attempt, but the
+// processes seized before it were interrupted: they are waited for, so that the caller
+// detaches them now. Handed to the tracer to detach once they stop (Forget), they sat
+// in a ptrace stop until its next tick, and Capture's next attempt found one stopped.
 func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
 	var procs []*ptrace.Tracee
+	var failed error
+	interrupted := 0
 	for _, pid := range pids {
 		p, err := ptrace.Seize(pid)
 		if err != nil {
 			// ESRCH: gone since it was listed.
-			return procs, 0, &Ineligible{Reason: fmt.Sprintf("process %d: %v", pid, err), ending: errors.Is(err, unix.ESRCH)}
+			failed = &Ineligible{Reason: fmt.Sprintf("process %d: %v", pid, err), ending: errors.Is(err, unix.ESRCH)}
+			break
 		}
 		procs = append(procs, p)
-		if err := p.Interrupt(); err != nil {
-			return procs, 0, err
+		if failed = p.Interrupt(); failed != nil {
+			break // seized, not interrupted: last, and never waited for (Forget)
 		}
+		interrupted++
 	}
-	for i, p := range procs {
+	for i, p := range procs[:interrupted] {
 		if err := p.Wait(stopTimeout); err != nil {
 			if errors.Is(err, ptrace.ErrExited) {
 				err = &Ineligible{Reason: fmt.Sprintf("process %d exited during the checkpoint", p.Pid), ending: true}
@@ -300,7 +309,7 @@ func stopAll(pids []int) ([]*ptrace.Tracee, int, error) {
 			return procs, i, err
 		}
 	}
-	return procs, len(procs), nil
+	return procs, interrupted, failed
 }
 
 // scan records a stopped process (what /proc shows, and what only the process can tell

@@ -63,10 +63,24 @@ func TestCaptureRetriesEnding(t *testing.T) {
 // runs as the capture's Frozen (each hook if set). Procs lists cmd until it is gone.
 func captureCmd(t *testing.T, cmd *exec.Cmd, before, frozen func(child int)) (*Record, error) {
 	t.Helper()
+	return captureCmds(t, []*exec.Cmd{cmd}, func() {
+		if before != nil {
+			before(cmd.Process.Pid)
+		}
+	}, func() {
+		if frozen != nil {
+			frozen(cmd.Process.Pid)
+		}
+	}, nil)
+}
+
+// captureCmds is captureCmd for the processes of several commands (Procs lists those
+// not gone), with phase (if set) as the capture's Phase.
+func captureCmds(t *testing.T, cmds []*exec.Cmd, before, frozen func(), phase func(string, time.Duration)) (*Record, error) {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (ptrace, cgroups)")
 	}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	// Descriptors on the root's mount only (not /dev/null), as a capture requires.
 	dir := t.TempDir()
 	f, err := os.Create(filepath.Join(dir, "out"))
@@ -74,10 +88,6 @@ func captureCmd(t *testing.T, cmd *exec.Cmd, before, frozen func(child int)) (*R
 		t.Fatal(err)
 	}
 	defer f.Close()
-	cmd.Stdin, cmd.Stderr = f, f
-	if cmd.Stdout == nil {
-		cmd.Stdout = f
-	}
 	// Nor any the test binary inherited open across exec (its caller's).
 	if ents, err := os.ReadDir("/proc/self/fd"); err == nil {
 		for _, e := range ents {
@@ -86,21 +96,28 @@ func captureCmd(t *testing.T, cmd *exec.Cmd, before, frozen func(child int)) (*R
 			}
 		}
 	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+	for _, cmd := range cmds {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		cmd.Stdin, cmd.Stderr = f, f
+		if cmd.Stdout == nil {
+			cmd.Stdout = f
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	self, err := isolation.ProcOf(os.Getpid())
 	if err != nil {
 		t.Fatal(err)
 	}
 	if before != nil {
-		before(cmd.Process.Pid)
+		before()
 	}
 	tr := ptrace.NewTracer()
 	defer tr.Close()
 	// Real freezer cgroups: the zygotes freeze there, and Kill ends them.
-	cgroups := filepath.Join(freezer.Root, fmt.Sprintf("cairn-test-%s-%d", t.Name(), os.Getpid()))
+	cgroups := filepath.Join(freezer.Root, fmt.Sprintf("cairn-test-%s-%d", strings.ReplaceAll(t.Name(), "/", "-"), os.Getpid()))
 	t.Cleanup(func() {
 		ents, _ := os.ReadDir(cgroups) // none if the capture made none
 		for _, e := range ents {
@@ -121,24 +138,61 @@ func captureCmd(t *testing.T, cmd *exec.Cmd, before, frozen func(child int)) (*R
 		}
 		os.Remove(cgroups)
 	})
-	rec, err := Capture(context.Background(), tr, CaptureOptions{
+	return Capture(context.Background(), tr, CaptureOptions{
 		Init: self,
 		Procs: func() ([]int, error) {
-			if st := ptrace.ProcState(cmd.Process.Pid); st == "gone" || st == "Z" {
-				return nil, nil
+			var pids []int
+			for _, cmd := range cmds {
+				if st := ptrace.ProcState(cmd.Process.Pid); st != "gone" && st != "Z" {
+					pids = append(pids, cmd.Process.Pid)
+				}
 			}
-			return []int{cmd.Process.Pid}, nil
+			return pids, nil
 		},
 		CgroupDir: cgroups,
 		RecordDir: dir,
 		Frozen: func() error {
 			if frozen != nil {
-				frozen(cmd.Process.Pid)
+				frozen()
 			}
 			return nil
 		},
+		Phase: phase,
 	})
-	return rec, err
+}
+
+// TestCaptureGoneAtSeize: a process that passed the checks and is gone when the
+// capture seizes it (a shell and its child killed together, conformance ResidentPaths)
+// makes the capture try again, and the processes seized before it must be let go
+// first. They were handed to the tracer to detach "once they stop", though they had
+// been interrupted, and sat in a ptrace stop until its next tick: the next attempt
+// found one stopped and gave up the zygotes (CRIU instead, 1 CI run).
+func TestCaptureGoneAtSeize(t *testing.T) {
+	live, dying := exec.Command("sleep", "1000"), exec.Command("sleep", "1000")
+	killed := false
+	rec, err := captureCmds(t, []*exec.Cmd{live, dying}, nil, nil, func(name string, _ time.Duration) {
+		// Between the checks and the seizes, once: the second process ends and is reaped.
+		if name == "check" && !killed {
+			killed = true
+			dying.Process.Kill()
+			dying.Wait()
+		}
+	})
+	if !killed {
+		t.Fatal("the capture reported no check phase")
+	}
+	if live.Process.Pid > dying.Process.Pid {
+		t.Skipf("the PIDs wrapped (%d > %d): the live process is not seized first", live.Process.Pid, dying.Process.Pid)
+	}
+	if err != nil {
+		t.Fatalf("Capture: %v; want the live process captured on the next attempt", err)
+	}
+	if len(rec.Procs) != 1 {
+		t.Fatalf("Capture recorded %d processes, want 1 (the live one)", len(rec.Procs))
+	}
+	if st := ptrace.ProcState(live.Process.Pid); st != "S" {
+		t.Fatalf("after the capture the live process is in state %s, want S (sleeping, not stopped)", st)
+	}
 }
 
 // TestSignalsDuringCapture: the signals that reach a process while it is stopped for a
