@@ -7,6 +7,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 	"github.com/cairn-sandbox/cairn/isolation/container"
 	"github.com/cairn-sandbox/cairn/isolation/gvisor"
 	"github.com/cairn-sandbox/cairn/storage/btrfs"
+	"github.com/cairn-sandbox/cairn/store"
 )
 
 // recover brings the data directory back to a consistent state after a crash: it has
@@ -266,24 +268,11 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 // first: a claim moves the root from a standby's row to a sandbox's in one transaction.
 func (e *Engine) standbyRootUsed(ctx context.Context, root string) bool {
 	standbys, err := e.db.Standbys(ctx)
-	if err != nil {
+	if err != nil || slices.ContainsFunc(standbys, func(s *store.Standby) bool { return s.Root == root }) {
 		return true
-	}
-	for _, s := range standbys {
-		if s.Root == root {
-			return true
-		}
 	}
 	sbs, err := e.db.Sandboxes(ctx)
-	if err != nil {
-		return true
-	}
-	for _, sb := range sbs {
-		if sb.Root == root {
-			return true
-		}
-	}
-	return false
+	return err != nil || slices.ContainsFunc(sbs, func(sb *model.Sandbox) bool { return sb.Root == root })
 }
 
 // stopOrphan ends the tree, if any, that runs on root, a root no record names: a
