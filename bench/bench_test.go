@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"math/rand/v2"
 	"os"
 	"strings"
 	"testing"
@@ -252,5 +254,81 @@ func TestDistance(t *testing.T) {
 		if got := distance(tc.x, tc.y); got != tc.want {
 			t.Errorf("distance(%s, %s) = %d, want %d", tc.x.ck, tc.y.ck, got, tc.want)
 		}
+	}
+}
+
+// TestUCT: the selection descends from the root by UCB1 to the first node with room for
+// a child, passes through the sandbox's own node without choosing it, and tries the
+// next best child where the best one's subtree holds nothing else.
+func TestUCT(t *testing.T) {
+	mk := func(ck string, parent *node, visits int, value float64) *node {
+		n := &node{ck: ck, parent: parent, visits: visits, value: value}
+		if parent != nil {
+			parent.children = append(parent.children, n)
+		}
+		return n
+	}
+	root := mk("root", nil, 10, 5)
+	a := mk("a", root, 4, 3.6) // mean 0.9: the best child
+	mk("b", root, 3, 0.3)
+	mk("c", root, 2, 0.2)
+	a1 := mk("a1", a, 1, 0.9)
+	mk("a2", a, 1, 0.1)
+	a3 := mk("a3", a, 1, 0.5)
+	for _, tc := range []struct {
+		skip *node
+		want *node
+	}{
+		{nil, a1},  // root and a are full; a1 is a's best child, a leaf
+		{a1, a3},   // a1 is the sandbox's node: a's next best
+		{a, a1},    // a is descended through
+		{root, a1}, // and so is the root
+	} {
+		if got := uct(root, tc.skip); got != tc.want {
+			t.Errorf("uct(skip %v) = %v, want %s", tc.skip, got, tc.want.ck)
+		}
+	}
+	// A leaf alone under a full node: its subtree offers nothing but skip.
+	lone := mk("lone", nil, 1, 1)
+	if got := uct(lone, lone); got != nil {
+		t.Errorf("uct of a lone skipped leaf = %s, want nil", got.ck)
+	}
+}
+
+// TestUCTSearchShape replays W2's search offline (its 100 expansions, every other one
+// after a rollback, random rewards) and checks the tree it grows: no node with more
+// than w2Branching children, never a rollback to the node the sandbox is at. It logs
+// how far the rollbacks go.
+func TestUCTSearchShape(t *testing.T) {
+	for seed := int64(1); seed <= 20; seed++ {
+		rng := rand.New(rand.NewPCG(uint64(seed), 0))
+		root := &node{ck: "0"}
+		cur, all, maxSteps, sum, n := root, []*node{root}, 0, 0, 0
+		for i := 0; i < w2Expansions; i++ {
+			if i%2 == 1 && i < w2Expansions-2 {
+				target := uct(root, cur)
+				if target == nil || target == cur {
+					t.Fatalf("seed %d, expansion %d: uct chose %v, the sandbox's node %s", seed, i, target, cur.ck)
+				}
+				d := distance(cur, target)
+				maxSteps, sum, n = max(maxSteps, d), sum+d, n+1
+				cur = target
+			}
+			child := &node{ck: fmt.Sprint(i + 1), parent: cur}
+			cur.children = append(cur.children, child)
+			all = append(all, child)
+			reward := rng.Float64()
+			for x := child; x != nil; x = x.parent {
+				x.visits++
+				x.value += reward
+			}
+			cur = child
+		}
+		for _, x := range all {
+			if len(x.children) > w2Branching {
+				t.Fatalf("seed %d: node %s has %d children, more than %d", seed, x.ck, len(x.children), w2Branching)
+			}
+		}
+		t.Logf("seed %d: %d rollbacks, %.1f steps on average, %d at most", seed, n, float64(sum)/float64(n), maxSteps)
 	}
 }

@@ -1,10 +1,12 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"github.com/cairn-sandbox/cairn/engine"
@@ -66,29 +68,49 @@ func statsDelta(a, b engine.Stats) engine.Stats { return b.Since(a) }
 
 // node is a search-tree node: a checkpoint with UCT statistics.
 type node struct {
-	ck     string
-	parent *node
-	visits int
-	value  float64
+	ck       string
+	parent   *node
+	children []*node
+	visits   int
+	value    float64
 }
 
-// uct picks the node to expand: highest mean reward plus exploration bonus.
-func uct(nodes []*node, total int, skip string) *node {
-	var best *node
-	bestScore := math.Inf(-1)
-	for _, n := range nodes {
-		if n.ck == skip {
-			continue
-		}
-		score := math.Inf(1)
-		if n.visits > 0 {
-			score = n.value/float64(n.visits) + 1.4*math.Sqrt(math.Log(float64(total+1))/float64(n.visits))
-		}
-		if score > bestScore {
-			best, bestScore = n, score
+// w2Branching is the search's branching factor: a node with fewer children is expanded
+// when the selection reaches it, one with as many is descended through.
+const w2Branching = 3
+
+// uctExplore is UCB1's exploration constant (√2, rounded as usual).
+const uctExplore = 1.4
+
+// ucb1 is the score of child n of a node visited parentVisits times: its mean reward
+// plus the exploration bonus. Every node has been visited (a new one backs its reward
+// up at once).
+func ucb1(n *node, parentVisits int) float64 {
+	return n.value/float64(n.visits) + uctExplore*math.Sqrt(math.Log(float64(parentVisits))/float64(n.visits))
+}
+
+// uct is UCT's selection: from the root, it descends to the child of highest UCB1
+// score until it reaches a node with fewer than w2Branching children, which is the one
+// to expand. skip (the node the sandbox is at: an expansion after a rollback starts
+// elsewhere) is descended through but never chosen; where the best child's subtree
+// offers no other node, the next best is tried. It returns nil only if n's subtree
+// holds no node but skip.
+//
+// (Before 2026-12-06 W2 picked the best-scoring node of the whole tree, which with one
+// visit per leaf made the search alternate between two ever deeper branches: the k-th
+// rollback went 2k-1 steps, not a tree search's few.)
+func uct(n *node, skip *node) *node {
+	if n != skip && len(n.children) < w2Branching {
+		return n
+	}
+	kids := slices.Clone(n.children)
+	slices.SortStableFunc(kids, func(a, b *node) int { return cmp.Compare(ucb1(b, n.visits), ucb1(a, n.visits)) })
+	for _, c := range kids {
+		if got := uct(c, skip); got != nil {
+			return got
 		}
 	}
-	return best
+	return nil
 }
 
 // distance is the number of steps between two nodes of the tree.
@@ -168,12 +190,12 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 	}
 	elapsed += d
 	ckMS = append(ckMS, ms(d))
-	nodes := []*node{{ck: ck0.ID}}
-	cur := nodes[0]
+	root := &node{ck: ck0.ID}
+	cur := root
 	for i := 0; i < expansions; i++ {
 		t := time.Now()
 		if i%2 == 1 && i < expansions-2 { // 49 rollbacks of 100
-			target := uct(nodes, i, cur.ck)
+			target := uct(root, cur)
 			steps = append(steps, float64(distance(cur, target)))
 			rb := time.Now()
 			if err := traced(ctx, "rollback to "+target.ck, rbPhases, func(ctx context.Context) error { return b.e.Rollback(ctx, b.w.id, target.ck) }); err != nil {
@@ -200,7 +222,7 @@ func (b *runner) runW2(ctx context.Context) (*W2Report, error) {
 		elapsed += d
 		ckMS = append(ckMS, ms(d))
 		child := &node{ck: ck.ID, parent: cur}
-		nodes = append(nodes, child)
+		cur.children = append(cur.children, child)
 		reward := b.rng.Float64()
 		for n := child; n != nil; n = n.parent {
 			n.visits++
