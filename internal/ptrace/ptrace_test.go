@@ -702,3 +702,54 @@ func TestSignalsWhileStopped(t *testing.T) {
 		})
 	}
 }
+
+// TestInjectedCallWaits: the tracer waits for an injected call that takes a while (a
+// nanosleep of 300 ms, blocked in the kernel) and gets its result; a call that does not
+// return within stepTimeout (pause) kills its process, which would otherwise run on
+// from registers not its own, and says so.
+func TestInjectedCallWaits(t *testing.T) {
+	requireRoot(t)
+	c, tr, tc := stoppedReplica(t)
+	defer func(d time.Duration) { stepTimeout = d }(stepTimeout)
+	stepTimeout = 5 * time.Second
+	err := tr.Do(func() error {
+		s, err := tc.MapScratch(16)
+		if err != nil {
+			return err
+		}
+		ts := unix.NsecToTimespec(int64(300 * time.Millisecond))
+		addr, err := s.Put(0, Bytes(&ts))
+		if err != nil {
+			return err
+		}
+		start := time.Now()
+		if _, err := tc.Syscall(unix.SYS_NANOSLEEP, addr, 0); err != nil {
+			return fmt.Errorf("nanosleep of 300 ms in the tracee: %w", err)
+		}
+		if d := time.Since(start); d < 300*time.Millisecond {
+			return fmt.Errorf("the injected nanosleep of 300 ms returned after %v", d)
+		}
+		if err := s.Free(); err != nil {
+			return err
+		}
+		stepTimeout = 300 * time.Millisecond
+		_, err = tc.Syscall(unix.SYS_PAUSE)
+		if err == nil || !strings.Contains(err.Error(), "killed") {
+			return fmt.Errorf("pause injected with a timeout of %v: %v, want a timeout that killed it", stepTimeout, err)
+		}
+		t.Logf("pause: %v", err)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Dead: reaped by the tracer's wait (the test is also its parent), or a zombie.
+	pid := c.cmd.Process.Pid
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if st := ProcState(pid); st == "gone" || st == "Z" {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("the tracee whose injected call timed out is still alive (state %s)", st)
+		}
+	}
+}

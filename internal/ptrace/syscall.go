@@ -10,8 +10,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// stepTimeout bounds how long one injected system call may take to return.
-const stepTimeout = 10 * time.Second
+// stepTimeout bounds how long one injected system call may take to return: a process
+// whose call has not returned by then is killed (waitRun). A variable for tests.
+var stepTimeout = 10 * time.Second
 
 // Syscall runs one system call in the stopped tracee and returns its result; a negative
 // result is returned as the errno. The tracee's own registers are put back afterwards
@@ -85,7 +86,7 @@ func (t *Tracee) step() (*Tracee, error) {
 		if err := unix.PtraceSyscall(t.Pid, 0); err != nil {
 			return child, fmt.Errorf("ptrace syscall %d: %w", t.Pid, err)
 		}
-		ws, err := t.wait(stepTimeout)
+		ws, err := t.waitRun(stepTimeout)
 		if err != nil {
 			return child, err
 		}
@@ -127,7 +128,7 @@ func (t *Tracee) Fork(flags uintptr) (*Tracee, error) {
 	if child == nil {
 		return nil, fmt.Errorf("clone in %d: no child reported", t.Pid)
 	}
-	if err := child.Wait(stepTimeout); err != nil {
+	if err := child.waitStop(stepTimeout, child.waitRun); err != nil {
 		unix.Kill(child.Pid, unix.SIGKILL)
 		child.setInjected(false)
 		return nil, fmt.Errorf("new child %d of %d: %w", child.Pid, t.Pid, err)
