@@ -11,8 +11,14 @@ import (
 )
 
 // stepTimeout bounds how long one injected system call may take to return: a process
-// whose call has not returned by then is killed (waitRun). A variable for tests.
-var stepTimeout = 10 * time.Second
+// whose call has not returned by then is killed (waitRun). A clone gets cloneSteps
+// times as long: it copies the process's page tables, milliseconds per hundred MB
+// here, and a slow fork of a very large process must not cost the process itself.
+// Variables for tests.
+var (
+	stepTimeout = 10 * time.Second
+	cloneSteps  = 6
+)
 
 // Syscall runs one system call in the stopped tracee and returns its result; a negative
 // result is returned as the errno. The tracee's own registers are put back afterwards
@@ -52,7 +58,11 @@ func (t *Tracee) syscall(nr uintptr, args []uintptr) (uintptr, *Tracee, error) {
 	if err := unix.PtraceSetRegs(t.Pid, &r); err != nil {
 		return 0, nil, fmt.Errorf("ptrace setregs %d: %w", t.Pid, err)
 	}
-	child, err := t.step()
+	timeout := stepTimeout
+	if nr == unix.SYS_CLONE {
+		timeout *= time.Duration(cloneSteps)
+	}
+	child, err := t.step(timeout)
 	if child != nil {
 		child.setInjected(true) // born with the call's registers
 	}
@@ -78,15 +88,16 @@ func (t *Tracee) syscall(nr uintptr, args []uintptr) (uintptr, *Tracee, error) {
 // the kernel clears system-call tracing when it detaches a tracee whose tracer died,
 // but not the trap flag of single-stepping, which would kill the tracee with SIGTRAP
 // after its next instruction). A fork or clone reports its child in between: that child
-// is returned, seized (it starts stopped).
-func (t *Tracee) step() (*Tracee, error) {
+// is returned, seized (it starts stopped). A call that has not returned within timeout
+// kills the tracee (waitRun).
+func (t *Tracee) step(timeout time.Duration) (*Tracee, error) {
 	var child *Tracee
 	entered := false
 	for {
 		if err := unix.PtraceSyscall(t.Pid, 0); err != nil {
 			return child, fmt.Errorf("ptrace syscall %d: %w", t.Pid, err)
 		}
-		ws, err := t.waitRun(stepTimeout)
+		ws, err := t.waitRun(timeout)
 		if err != nil {
 			return child, err
 		}
