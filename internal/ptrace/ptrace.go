@@ -351,7 +351,9 @@ func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 // a non-blocking wait then consumes it.
 func (t *Tracee) waitRun(timeout time.Duration) (unix.WaitStatus, error) {
 	var fired atomic.Bool
+	killed := make(chan struct{})
 	watchdog := time.AfterFunc(timeout, func() {
+		defer close(killed)
 		fired.Store(true)
 		unix.Kill(t.Pid, unix.SIGKILL)
 	})
@@ -361,7 +363,11 @@ func (t *Tracee) waitRun(timeout time.Duration) (unix.WaitStatus, error) {
 		if err == unix.EINTR {
 			continue
 		}
-		watchdog.Stop()
+		if !watchdog.Stop() {
+			// It fired, or is firing: wait for its kill, so that it never comes after
+			// this returns (the call may have ended just in time: it is killed anyway).
+			<-killed
+		}
 		if err != nil {
 			return 0, fmt.Errorf("wait for %d: %w", t.Pid, err)
 		}
