@@ -55,3 +55,33 @@ func TestReadRecordCache(t *testing.T) {
 		t.Fatalf("after the record was removed: %+v, %v, %v; want none", rec, ok, err)
 	}
 }
+
+// TestCacheRecord: a record cached from its staged directory, renamed into place right
+// after (as a checkpoint's is), is found by readRecord without reading its file.
+func TestCacheRecord(t *testing.T) {
+	staged := filepath.Join(t.TempDir(), "staged")
+	if err := os.Mkdir(staged, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	rec := &zygote.Record{Version: zygote.Version, Init: isolation.Proc{Pid: 300, StartTime: 9}}
+	if err := rec.Write(staged); err != nil {
+		t.Fatal(err)
+	}
+	var r residents
+	done := r.cacheRecord(staged)
+	published := filepath.Join(filepath.Dir(staged), "published")
+	if err := os.Rename(staged, published); err != nil { // before the cache is filled
+		t.Fatal(err)
+	}
+	<-done
+	reads := recordReads.Load()
+	got, ok, err := r.readRecord(published)
+	if err != nil || !ok || got.Init.Pid != 300 {
+		t.Fatalf("read after the rename: %+v, %v, %v; want Init.Pid 300", got, ok, err)
+	}
+	if n := recordReads.Load() - reads; n != 0 {
+		t.Errorf("readRecord read the file %d times; want the record cached before the rename", n)
+	}
+	// No record: nothing cached, no error.
+	<-r.cacheRecord(t.TempDir())
+}

@@ -203,14 +203,22 @@ func Read(dir string) (r *Record, ok bool, err error) {
 	if err != nil {
 		return nil, false, err
 	}
-	r = &Record{}
-	if err := json.Unmarshal(b, r); err != nil {
+	if r, err = Decode(b); err != nil {
 		return nil, false, fmt.Errorf("zygote record %s: %w", dir, err)
 	}
-	if r.Version != Version {
-		return nil, false, fmt.Errorf("zygote record %s: version %d, this cairn reads %d", dir, r.Version, Version)
-	}
 	return r, true, nil
+}
+
+// Decode parses a record as Write wrote it.
+func Decode(b []byte) (*Record, error) {
+	r := &Record{}
+	if err := json.Unmarshal(b, r); err != nil {
+		return nil, err
+	}
+	if r.Version != Version {
+		return nil, fmt.Errorf("version %d, this cairn reads %d", r.Version, Version)
+	}
+	return r, nil
 }
 
 // Alive reports whether every zygote of r still exists.
