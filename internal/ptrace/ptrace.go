@@ -287,8 +287,8 @@ func event(ws unix.WaitStatus) int {
 
 // wait waits for the next state change of the tracee: a stop Interrupt asked for, which
 // a process in an uninterruptible sleep may not reach in time (injected calls wait with
-// waitRun instead). It polls (waitpid has no timeout). A tracee on the tracer's CPU (colocate) is given that CPU between polls
-// (sched_yield) for 5 ms. Otherwise the tracer polls first without sleeping (most
+// waitRun instead). It polls (waitpid has no timeout). A tracee on the tracer's CPU
+// (colocate) is given that CPU between polls (sched_yield) for 5 ms. Otherwise the tracer polls first without sleeping (most
 // injected calls stop again within microseconds, and the Go scheduler's sleeps add tens
 // of them), then in nanosleeps of its own thread of ~20 µs: a fork of a large process
 // runs for milliseconds, in the kernel, and a spinning tracer would take a core from it
@@ -343,8 +343,8 @@ func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 // A blocking wait has no timeout of its own: if the tracee has not stopped within
 // timeout, a watchdog kills it (SIGKILL), which ends the wait, and waitRun reports the
 // timeout. A process stuck inside a call injected into it cannot be given its own
-// registers back, and would run on from the injected ones if detached; today's wait
-// gave up on it without stopping it. (A task in an uninterruptible sleep dies only
+// registers back, and would run on from the injected ones if detached; the polling wait
+// (until 2026-12-06) gave up on it without stopping it. (A task in an uninterruptible sleep dies only
 // when it leaves it: the tracer waits until then.) The blocking wait does not consume
 // the state change (WNOWAIT): the watchdog is disarmed while the tracee still holds
 // its PID, even if it exited, so that a late watchdog never kills a PID reused since;
