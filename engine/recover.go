@@ -156,14 +156,22 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 	owner := func(name string) string { return strings.SplitN(name, "-", 2)[0] }
 	// Staged filesystems (pool staging/<sandbox>-<checkpoint>) and staged images
 	// (images/staging-<sandbox>-<checkpoint>) of sandboxes nobody is working on.
+	// A staged thing listed while its checkpoint ran is renamed into place before the
+	// lock is let go: one gone once the lock is ours was not swept.
+	gone := func(path string) bool {
+		_, err := os.Lstat(path)
+		return os.IsNotExist(err)
+	}
 	entries, _ := os.ReadDir(e.pool.Path(stagingDir))
 	for _, d := range entries {
 		if unlock, ok := e.tryLock(owner(d.Name())); ok {
 			name := filepath.Join(stagingDir, d.Name())
-			if !dryRun {
-				e.removeStaged(ctx, name)
+			if !gone(e.pool.Path(name)) {
+				if !dryRun {
+					e.removeStaged(ctx, name)
+				}
+				removed = append(removed, name)
 			}
-			removed = append(removed, name)
 			unlock()
 		}
 	}
@@ -175,11 +183,13 @@ func (e *Engine) sweep(ctx context.Context, dryRun bool) ([]string, error) {
 			name := filepath.Join(root, id)
 			if rest, ok := strings.CutPrefix(id, stagingDir+"-"); ok {
 				if unlock, ok := e.tryLock(owner(rest)); ok {
-					if !dryRun {
-						e.dropZygotes(e.imagesPath(name))
-						os.RemoveAll(e.imagesPath(name))
+					if !gone(e.imagesPath(name)) {
+						if !dryRun {
+							e.dropZygotes(e.imagesPath(name))
+							os.RemoveAll(e.imagesPath(name))
+						}
+						removed = append(removed, name)
 					}
-					removed = append(removed, name)
 					unlock()
 				}
 				continue
