@@ -33,7 +33,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -288,11 +287,12 @@ func event(ws unix.WaitStatus) int {
 // wait waits for the next state change of the tracee: a stop Interrupt asked for, which
 // a process in an uninterruptible sleep may not reach in time (injected calls wait with
 // waitRun instead). It polls (waitpid has no timeout). A tracee on the tracer's CPU
-// (colocate) is given that CPU between polls (sched_yield) for 5 ms. Otherwise the tracer polls first without sleeping (most
-// injected calls stop again within microseconds, and the Go scheduler's sleeps add tens
-// of them), then in nanosleeps of its own thread of ~20 µs: a fork of a large process
-// runs for milliseconds, in the kernel, and a spinning tracer would take a core from it
-// and from whatever runs beside it (the checkpoint's snapshot, the rollback's revert).
+// (colocate) is given that CPU between polls (sched_yield) for 5 ms. Otherwise the
+// tracer polls first without sleeping (most injected calls stop again within
+// microseconds, and the Go scheduler's sleeps add tens of them), then in nanosleeps of
+// its own thread of ~20 µs: a fork of a large process runs for milliseconds, in the
+// kernel, and a spinning tracer would take a core from it and from whatever runs beside
+// it (the checkpoint's snapshot, the rollback's revert).
 func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 	start := time.Now()
 	deadline := start.Add(timeout)
@@ -344,37 +344,36 @@ func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 // timeout, a watchdog kills it (SIGKILL), which ends the wait, and waitRun reports the
 // timeout. A process stuck inside a call injected into it cannot be given its own
 // registers back, and would run on from the injected ones if detached; the polling wait
-// (until 2026-12-06) gave up on it without stopping it. (A task in an uninterruptible sleep dies only
-// when it leaves it: the tracer waits until then.) The blocking wait does not consume
-// the state change (WNOWAIT): the watchdog is disarmed while the tracee still holds
-// its PID, even if it exited, so that a late watchdog never kills a PID reused since;
-// a non-blocking wait then consumes it.
+// (until 2026-12-06) gave up on it without stopping it. (A task in an uninterruptible
+// sleep dies only when it leaves it: the tracer waits until then.) The blocking wait
+// does not consume the state change (WNOWAIT): the watchdog is disarmed while the
+// tracee still holds its PID, even if it exited, so that a late watchdog never kills a
+// PID reused since; a non-blocking wait then consumes it.
 func (t *Tracee) waitRun(timeout time.Duration) (unix.WaitStatus, error) {
-	var fired atomic.Bool
 	killed := make(chan struct{})
 	watchdog := time.AfterFunc(timeout, func() {
 		defer close(killed)
-		fired.Store(true)
 		unix.Kill(t.Pid, unix.SIGKILL)
 	})
 	var info unix.Siginfo
+	var err error
 	for {
-		err := unix.Waitid(unix.P_PID, t.Pid, &info, unix.WEXITED|unix.WSTOPPED|unix.WALL|unix.WNOWAIT, nil)
-		if err == unix.EINTR {
-			continue
+		err = unix.Waitid(unix.P_PID, t.Pid, &info, unix.WEXITED|unix.WSTOPPED|unix.WALL|unix.WNOWAIT, nil)
+		if err != unix.EINTR {
+			break
 		}
-		if !watchdog.Stop() {
-			// It fired, or is firing: wait for its kill, so that it never comes after
-			// this returns (the call may have ended just in time: it is killed anyway).
-			<-killed
-		}
-		if err != nil {
-			return 0, fmt.Errorf("wait for %d: %w", t.Pid, err)
-		}
-		break
+	}
+	// A watchdog that fired, or is firing, is waited for: its kill never comes after
+	// this returns (the call may have ended just in time: it is killed anyway).
+	timedOut := !watchdog.Stop()
+	if timedOut {
+		<-killed
+	}
+	if err != nil {
+		return 0, fmt.Errorf("wait for %d: %w", t.Pid, err)
 	}
 	ws, err := t.wait(timeout) // there is a state change to consume: no poll
-	if fired.Load() {
+	if timedOut {
 		return ws, fmt.Errorf("process %d did not stop within %s: killed (it was inside a call injected into it)", t.Pid, timeout)
 	}
 	return ws, err

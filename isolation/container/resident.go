@@ -70,39 +70,67 @@ const maxCachedRecords = 64
 // before is returned again while its file is the same. A rollback read it twice
 // (IsResident, then RollbackResident), ~0.2 ms each for W1's (registers, extended state,
 // descriptors and mappings of each process, in JSON); each checkpoint's is read once
-// beside it (CheckpointResident), so that its first rollback finds it read.
+// beside it (cacheRecord), so that its first rollback finds it read.
 func (r *residents) readRecord(dir string) (*zygote.Record, bool, error) {
+	path := filepath.Join(dir, zygote.RecordFile)
 	var st unix.Stat_t
-	if err := unix.Stat(filepath.Join(dir, zygote.RecordFile), &st); err != nil {
+	if err := unix.Stat(path, &st); err == nil {
+		if rec := r.cached(&st); rec != nil {
+			return rec, true, nil
+		}
+	}
+	f, err := os.Open(path)
+	if err != nil {
 		return zygote.Read(dir) // its error, or its absence, as Read tells them
 	}
-	key := recordKey{dev: st.Dev, ino: st.Ino}
-	r.mu.Lock()
-	c, ok := r.records[key]
-	r.mu.Unlock()
-	if ok && c.ctime == st.Ctim && c.size == st.Size {
-		return c.rec, true, nil
+	defer f.Close()
+	rec, err := r.load(f)
+	if err != nil {
+		return nil, false, fmt.Errorf("zygote record %s: %w", dir, err)
 	}
-	recordReads.Add(1)
-	rec, ok, err := zygote.Read(dir)
-	if err != nil || !ok {
-		return rec, ok, err
-	}
-	r.cache(&st, rec)
 	return rec, true, nil
 }
 
-// recordReads counts the records readRecord read from their files (for tests).
+// recordReads counts the records read from their files into the cache (for tests).
 var recordReads atomic.Int64
 
-// cache keeps rec, read from a file of status st, for readRecord.
-func (r *residents) cache(st *unix.Stat_t, rec *zygote.Record) {
+// cached is the record read before from a file of status st, or nil.
+func (r *residents) cached(st *unix.Stat_t) *zygote.Record {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c, ok := r.records[recordKey{dev: st.Dev, ino: st.Ino}]
+	if !ok || c.ctime != st.Ctim || c.size != st.Size {
+		return nil
+	}
+	return c.rec
+}
+
+// load returns the record of the open file f, read and kept in the cache unless it is
+// there already.
+func (r *residents) load(f *os.File) (*zygote.Record, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, err
+	}
+	if rec := r.cached(&st); rec != nil {
+		return rec, nil
+	}
+	recordReads.Add(1)
+	b, err := io.ReadAll(f)
+	if err != nil {
+		return nil, err
+	}
+	rec, err := zygote.Decode(b)
+	if err != nil {
+		return nil, err
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.records == nil || len(r.records) >= maxCachedRecords {
 		r.records = map[recordKey]cachedRecord{}
 	}
 	r.records[recordKey{dev: st.Dev, ino: st.Ino}] = cachedRecord{ctime: st.Ctim, size: st.Size, rec: rec}
+	return rec, nil
 }
 
 // cacheRecord reads the record of dir into readRecord's cache on another goroutine, and
@@ -121,17 +149,7 @@ func (r *residents) cacheRecord(dir string) <-chan struct{} {
 	go func() {
 		defer close(done)
 		defer f.Close()
-		var st unix.Stat_t
-		if unix.Fstat(int(f.Fd()), &st) != nil {
-			return
-		}
-		b, err := io.ReadAll(f)
-		if err != nil {
-			return
-		}
-		if rec, err := zygote.Decode(b); err == nil {
-			r.cache(&st, rec)
-		}
+		r.load(f)
 	}()
 	return done
 }
