@@ -8,7 +8,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -688,6 +690,50 @@ func TestRewindRefusedForCopy(t *testing.T) {
 	if got := r.ask("print(x, big[0], big[-1])"); got != "1 122 122" {
 		t.Fatalf("after the second fork: %q, want 1 122 122", got)
 	}
+}
+
+// TestRewindAffinity: while traced, a process runs on the tracer's CPU, but a rewind
+// compares its own CPU affinity with its zygote's. Unchanged since the checkpoint, the
+// rollback is rewound in place; changed (sched_setaffinity, which a rewind cannot set
+// back), the processes are forked from the zygotes instead, with the checkpoint's.
+func TestRewindAffinity(t *testing.T) {
+	if runtime.NumCPU() < 2 {
+		t.Skip("needs two CPUs")
+	}
+	e, sb, r, c1 := bigREPL(t, 1)
+	// (os is imported after the checkpoint: each statement imports it again.)
+	want := r.ask("import os; print(sorted(os.sched_getaffinity(0)))")
+	if want != cpuList(runtime.NumCPU()) {
+		t.Fatalf("the REPL runs on CPUs %s, want all %d", want, runtime.NumCPU())
+	}
+	r.ask("x = 2")
+	if ph := rollbackPhases(t, e, sb.ID, c1); !slices.Contains(ph, "rewound") {
+		t.Fatalf("a rollback over a small change: phases %v, want rewound", ph)
+	}
+	if got := r.ask("import os; print(x, sorted(os.sched_getaffinity(0)))"); got != "1 "+want {
+		t.Fatalf("after the rewind: %q, want %q", got, "1 "+want)
+	}
+	r.ask("import os; x = 3; os.sched_setaffinity(0, {0})")
+	if ph := rollbackPhases(t, e, sb.ID, c1); slices.Contains(ph, "rewound") || !slices.Contains(ph, "spawn") {
+		t.Fatalf("a rollback over a changed CPU affinity: phases %v, want spawn, not rewound", ph)
+	}
+	if got := r.ask("import os; print(x, sorted(os.sched_getaffinity(0)))"); got != "1 "+want {
+		t.Fatalf("after the fork: %q, want %q", got, "1 "+want)
+	}
+}
+
+// cpuList is [0 1 ... n-1] as Python prints a sorted list of them.
+func cpuList(n int) string {
+	var b strings.Builder
+	b.WriteString("[")
+	for i := range n {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprint(&b, i)
+	}
+	b.WriteString("]")
+	return b.String()
 }
 
 // TestRewindAfterFork: a rollback that forks new processes from the zygotes does not

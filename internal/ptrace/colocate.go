@@ -11,7 +11,7 @@ import (
 // (its entry and its exit stop). When the tracee is woken on the other CPU, which is
 // idle, each wake-up of that CPU costs tens of microseconds in a virtual machine (a
 // halted vCPU is woken by the hypervisor); on the tracer's own CPU it is a context
-// switch. So while it is traced, a tracee runs on its tracer's CPU only: measured on
+// switch. So while it is traced (from Interrupt on), a tracee runs on its tracer's CPU only: measured on
 // the 2-vCPU machines of the benchmarks, an injected getppid took 79 µs p50 (p90 104)
 // across CPUs and 33-38 µs (p90 39) on one. The tracer's thread stays on the CPU it was
 // on for the length of a Do (left free to move, it was slower: W1, three alternating
@@ -27,7 +27,7 @@ import (
 // copy afterwards pin it in turn (and if the tracee's affinity could not be given back,
 // the copy's is its parent's own when it is detached).
 //
-// If the tracer dies between the first injected call and Detach, the tracee keeps the
+// If the tracer dies between Interrupt and Detach, the tracee keeps the
 // one-CPU affinity: it runs on, correct but on one CPU until it sets its affinity again.
 
 // colocation turns colocate on; CAIRN_PTRACE_COLOCATE=0 turns it off (to measure
@@ -79,6 +79,17 @@ func (t *Tracee) colocate() {
 	var set unix.CPUSet
 	set.Set(cpu)
 	t.pinned = unix.SchedSetaffinity(t.Pid, &set) == nil
+}
+
+// Affinity is the tracee's own CPU affinity: the one colocate keeps for unpin while it
+// runs on its tracer's CPU, else the kernel's.
+func (t *Tracee) Affinity() (unix.CPUSet, error) {
+	if t.pinned {
+		return t.mask, nil
+	}
+	var set unix.CPUSet
+	err := unix.SchedGetaffinity(t.Pid, &set)
+	return set, err
 }
 
 // unpin gives the tracee its own CPU affinity back.

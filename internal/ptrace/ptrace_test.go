@@ -469,7 +469,6 @@ func TestColocate(t *testing.T) {
 	var own unix.CPUSet
 	tr := NewTracer()
 	defer tr.Close()
-	tc := stop(t, tr, pid)
 	affinity := func(pid int) unix.CPUSet {
 		var s unix.CPUSet
 		if err := unix.SchedGetaffinity(pid, &s); err != nil {
@@ -478,8 +477,9 @@ func TestColocate(t *testing.T) {
 		return s
 	}
 	var copyPid int
-	var tracing, pinned, copyBorn, copyPinned unix.CPUSet
+	var tracing, stopped, pinned, copyBorn, copyPinned unix.CPUSet
 	err := tr.Do(func() error {
+		// The tracer's thread stays on its CPU for the length of the Do.
 		cpu, err := currentCPU()
 		if err != nil {
 			return err
@@ -489,6 +489,11 @@ func TestColocate(t *testing.T) {
 		if err := unix.SchedSetaffinity(pid, &own); err != nil {
 			return err
 		}
+		tc, err := seizeStopped(pid)
+		if err != nil {
+			return err
+		}
+		stopped = affinity(pid)
 		if _, err := tc.Syscall(unix.SYS_GETPID); err != nil {
 			return err
 		}
@@ -509,8 +514,8 @@ func TestColocate(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer unix.Kill(copyPid, unix.SIGKILL)
-	if pinned != tracing || copyPinned != tracing {
-		t.Errorf("while traced: affinity %v, its copy's %v; want %v (the tracer's CPU)", pinned, copyPinned, tracing)
+	if stopped != tracing || pinned != tracing || copyPinned != tracing {
+		t.Errorf("while traced: affinity %v once stopped, %v after a call, its copy's %v; want %v (the tracer's CPU)", stopped, pinned, copyPinned, tracing)
 	}
 	if copyBorn != own {
 		t.Errorf("the copy was born with affinity %v, want its parent's own %v (a clone runs unpinned)", copyBorn, own)

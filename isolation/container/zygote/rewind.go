@@ -333,7 +333,7 @@ type protRange struct {
 // The status fields a fork copies and a rewind cannot set: they must be the zygote's.
 var sameStatus = []string{"Umask", "SigBlk", "SigIgn", "SigCgt", "NoNewPrivs", "Seccomp",
 	"Seccomp_filters", "Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd",
-	"CapAmb", "Cpus_allowed_list", "Mems_allowed_list", "Speculation_Store_Bypass"}
+	"CapAmb", "Mems_allowed_list", "Speculation_Store_Bypass"}
 
 // kcmpFile is KCMP_FILE (include/uapi/linux/kcmp.h).
 const kcmpFile = 0
@@ -362,6 +362,13 @@ func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.D
 		if ps[f] != zv.status[f] {
 			return nil, notRewound("process %d: %s changed since the checkpoint (%s, was %s)", rp.NSPid, f, ps[f], zv.status[f])
 		}
+	}
+	// The CPU affinity too, but the process's own: while traced it runs on the
+	// tracer's CPU (ptrace's colocate), which /proc shows.
+	if cpus, err := p.Affinity(); err != nil {
+		return nil, err
+	} else if cpus != zv.cpus {
+		return nil, notRewound("process %d: its CPU affinity changed since the checkpoint", rp.NSPid)
 	}
 	for i, f := range viewFiles {
 		a, err := procFile(p.Pid, f)
@@ -400,7 +407,8 @@ func check(p *ptrace.Tracee, rp *Proc, zv *zygoteView, phase func(string, time.D
 // frozen), so it is read once.
 type zygoteView struct {
 	status map[string]string
-	files  []string // viewFiles
+	cpus   unix.CPUSet // its CPU affinity
+	files  []string    // viewFiles
 	maps   []mapping
 	// writable is the zygote's writable private memory (what a rewind may copy back
 	// into), of maps.
@@ -418,6 +426,9 @@ func (zv *zygoteView) load(z int) error {
 	st, err := statusFields(z)
 	if err != nil {
 		return err
+	}
+	if err := unix.SchedGetaffinity(z, &zv.cpus); err != nil {
+		return fmt.Errorf("CPU affinity of zygote %d: %w", z, err)
 	}
 	var files []string
 	for _, f := range viewFiles {
