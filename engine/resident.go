@@ -506,7 +506,10 @@ func (e *Engine) rollbackInPlace(ctx context.Context, sb *model.Sandbox, ck *mod
 		return false, err
 	}
 	phase.Since(ctx, "mark", t)
-	var hooks isolation.RollbackHooks
+	// The backend's work left for after the call (a rewind's scan) waits for this.
+	returned := make(chan struct{})
+	defer close(returned)
+	hooks := isolation.RollbackHooks{Returned: returned}
 	pl := e.planRevert(ctx, sb, ck)
 	if pl != nil {
 		hooks.Quiesced = pl.quiesced

@@ -133,6 +133,11 @@ type RollbackHooks struct {
 	// records (the backend removed the exit records their deaths left); false when the
 	// backend cannot vouch for that, or Quiesced was not set.
 	Revert func(ctx context.Context, asQuiesced bool) error
+	// Returned, if set, is closed once the caller is done with the rollback (its new
+	// head recorded), as its call returns. What the backend leaves for afterwards (a
+	// rewind's scan of the pages it copied back) waits for it, instead of taking a CPU
+	// from the end of the call.
+	Returned <-chan struct{}
 }
 
 // ErrNotResident says that a sandbox cannot be kept, or is not kept, as zygotes.

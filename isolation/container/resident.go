@@ -612,6 +612,7 @@ func (b *Backend) rewind(ctx context.Context, sb *isolation.Sandbox, rec *zygote
 				marks, _ = markRecords(sb.Root)
 			}
 		},
+		After: hooks.Returned,
 		Phase: prefixed(ctx, "rewind_"),
 	})
 	var rerr error

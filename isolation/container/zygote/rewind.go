@@ -78,6 +78,10 @@ type RewindOptions struct {
 	// still stopped, before Rewind kills them (they are in no known state: none may
 	// run an instruction of its own again).
 	Failed func()
+	// After, if set, is what the scan of the processes once they run again (later)
+	// waits for: the caller's call returned. That scan re-protects every page the
+	// rewind copied back, and it took a CPU from the rest of the caller's rollback.
+	After <-chan struct{}
 	// Phase, if set, is told how long each phase took ("lock", "live", "do" (the wait
 	// for the tracer's thread), "stop", "check", "scan", "memory" (its steps
 	// "memory_calls", "fixups_early", "memory_copy", summed over the processes),
@@ -276,7 +280,7 @@ func (ts *Tracks) Rewind(ctx context.Context, tr *ptrace.Tracer, r *Record, o Re
 		return nil
 	})
 	if err == nil {
-		ts.later(want)
+		ts.later(want, o.After)
 	}
 	return begun, err
 }

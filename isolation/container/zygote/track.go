@@ -213,12 +213,19 @@ func (ts *Tracks) spawned(c *ptrace.Tracee, p *Proc) {
 }
 
 // later scans the processes pids into every set, on a goroutine of its own (a scan
-// needs no process stopped: a page written while it runs is found by it or by the next).
-// A rewind that takes the lock first scans them itself. Callers hold mu.
-func (ts *Tracks) later(pids []int) {
+// needs no process stopped: a page written while it runs is found by it or by the next),
+// once after is closed (if not nil). A rewind or a checkpoint that takes the lock first
+// scans them itself. Callers hold mu.
+func (ts *Tracks) later(pids []int, after <-chan struct{}) {
 	go func() {
+		if after != nil {
+			<-after
+		}
 		ts.mu.Lock()
 		defer ts.mu.Unlock()
+		if laterScans != nil {
+			laterScans(pids)
+		}
 		for _, pid := range pids {
 			if k := ts.procs[pid]; k != nil {
 				if err := k.scan(); err != nil {
@@ -228,6 +235,9 @@ func (ts *Tracks) later(pids []int) {
 		}
 	}()
 }
+
+// laterScans, if set (by tests), is told of each later scan as it begins.
+var laterScans func(pids []int)
 
 // scan adds what the process wrote since the last scan to every set.
 func (k *track) scan() error {
