@@ -16,7 +16,7 @@ import (
 // detaches them; colocated (as Interrupt does) or not. It reports the percentiles of
 // the time until both are stopped.
 //
-//	go test -run - -bench Stop -benchtime 300x ./internal/ptrace/
+//	go test -run - -bench Stop -benchtime 1000x ./internal/ptrace/
 func BenchmarkStop(b *testing.B) {
 	prereq.Root(b, "ptrace of arbitrary processes needs root")
 	var pids []int

@@ -298,11 +298,10 @@ func event(ws unix.WaitStatus) int {
 // CPU to reach its stop: the tracer sleeps between polls, and the CPU is the tracee's.
 // It used to yield it instead (sched_yield), which gives it to the tracee only when the
 // scheduler deems the tracee due: after it had run its share, not before the next tick.
-// Two sleeping processes stopped 300 times beside a busy goroutine (as a rollback's
-// revert plan is beside its stop): colocated and sleeping, 60-72 µs p50, 110 µs p90,
-// 175-210 µs p99; colocated and yielding, 55 µs p50 but 4.0 ms p99; not colocated (the
-// tracee woken on the busy CPU, as before 2026-12-06), 110-160 µs p50, 1.8 ms p90, 4.0
-// ms p99.
+// BenchmarkStop (two sleeping processes stopped beside a busy goroutine, as a
+// rollback's revert plan is beside its stop): colocated and sleeping, 57-74 µs p50,
+// 181-205 µs p99; not colocated (the tracee woken on the busy CPU, as before
+// 2026-12-06), 92-129 µs p50, 2.9-4.0 ms p99; colocated and yielding, 4.0 ms p99.
 func (t *Tracee) wait(timeout time.Duration) (unix.WaitStatus, error) {
 	start := time.Now()
 	deadline := start.Add(timeout)
